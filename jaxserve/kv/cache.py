@@ -1,0 +1,103 @@
+"""Device-side KV cache and the attention metadata of one step.
+
+Layout (decided once, used by the XLA path and every kernel):
+
+    k, v: [layers, kv_heads, pages, page_size, head_dim]
+
+A page holds `page_size` consecutive positions of one sequence for every layer and KV head. Page 0 is the null page:
+padding tokens write there and no valid block-table entry ever points at it.
+
+A step's tokens are laid out ragged, sequence after sequence:
+
+    tokens   | s0 s0 s0 s0 | s1 | s2 s2 | pad pad |
+    query_start  0           4    5       7         (S + 1 entries; padding sequences repeat the last value)
+
+Token t of sequence s sits at position context_lens[s] - (query_start[s + 1] - t): the new tokens are the last
+ones of the sequence's context, and the cache already holds the earlier ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Paged K and V pools. Donated to every step so updates happen in place."""
+
+    k: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
+    v: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
+              dtype) -> "KVCache":
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where each token of a step lives in the paged cache, and what it may attend to.
+
+    Built on device from the three host inputs (block_tables, context_lens, query_start); the token-level
+    fields are derived so the host never sends per-token arrays.
+    """
+
+    block_tables: jax.Array  # [S, P] int32: page ids of each sequence; 0 past its last page
+    context_lens: jax.Array  # [S] int32: tokens in the cache for each sequence after this step's writes
+    query_start: jax.Array  # [S + 1] int32: cumulative count of new tokens per sequence
+    seq_ids: jax.Array  # [T] int32: sequence of each token; S for padding tokens
+    positions: jax.Array  # [T] int32: position of each token in its sequence; 0 for padding
+    slot_mapping: jax.Array  # [T] int32: flat cache slot (page * page_size + offset) to write; null page for padding
+    is_decode: bool = dataclasses.field(metadata=dict(static=True), default=False)  # one token per sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_ids.shape[0]
+
+    @classmethod
+    def build(cls, block_tables: jax.Array, context_lens: jax.Array, query_start: jax.Array, num_tokens: int,
+              page_size: int, is_decode: bool = False) -> "AttentionMetadata":
+        num_seqs = block_tables.shape[0]
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        if is_decode:
+            seq_ids = jnp.where(context_lens > 0, t, num_seqs)
+        else:
+            seq_ids = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)
+        valid = seq_ids < num_seqs
+        sid = jnp.minimum(seq_ids, num_seqs - 1)
+        positions = jnp.where(valid, context_lens[sid] - (query_start[sid + 1] - t), 0)
+        page = block_tables[sid, positions // page_size]
+        slot_mapping = jnp.where(valid, page * page_size + positions % page_size, 0)
+        return cls(block_tables, context_lens, query_start, seq_ids.astype(jnp.int32),
+                   positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), is_decode)
+
+
+def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatters new K/V [T, kv_heads, head_dim] into layer `layer` at flat slots [T] (in place when donated).
+
+    The indexed view `cache[layer, :, pages, offsets]` has shape [T, kv_heads, head_dim] (advanced indices first).
+    """
+    page_size = cache_k.shape[3]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    cache_k = cache_k.at[layer, :, pages, offsets].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[layer, :, pages, offsets].set(v.astype(cache_v.dtype), mode="drop")
+    return cache_k, cache_v

@@ -1,0 +1,139 @@
+"""Paged attention as the models see it: write this step's K/V into the cache, then attend.
+
+One dispatch (`impl`): "xla" runs the jnp implementation below everywhere; "pallas" runs the kernels in
+`pallas_kernels` (compiled for GPU, interpreted on CPU). The engine resolves "auto" before tracing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.kv.cache import AttentionMetadata, write_kv
+
+XLA_QUERY_BLOCK = 16  # query tokens per block in the ragged XLA path
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                    layer: jax.Array, meta: AttentionMetadata, *, sliding_window: int | None, impl: str,
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns (out [T, heads, head_dim], cache_k, cache_v)."""
+    cache_k, cache_v = write_kv(cache_k, cache_v, layer, k, v, meta.slot_mapping)
+    scale = q.shape[-1] ** -0.5
+    if impl == "pallas":
+        out = _pallas_attention(q, cache_k, cache_v, layer, meta, scale, sliding_window)
+    elif impl == "xla":
+        if meta.is_decode:
+            out = decode_attention_xla(q, cache_k, cache_v, layer, meta.block_tables, meta.context_lens,
+                                       scale=scale, sliding_window=sliding_window)
+        else:
+            out = ragged_attention_xla(q, cache_k, cache_v, layer, meta, scale=scale, sliding_window=sliding_window)
+    else:
+        raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
+    return out.astype(q.dtype), cache_k, cache_v
+
+
+def _pallas_attention(q, cache_k, cache_v, layer, meta, scale, sliding_window):
+    from pallas_kernels import paged_attention as pa, ragged_paged_attention as rpa
+    interpret = jax.default_backend() != "gpu"
+    if meta.is_decode:
+        return pa.paged_attention(q, cache_k, cache_v, layer, meta.block_tables, meta.context_lens, scale=scale,
+                                  sliding_window=sliding_window, interpret=interpret)
+    return rpa.ragged_paged_attention(q, cache_k, cache_v, layer, meta.block_tables, meta.context_lens,
+                                      meta.query_start, scale=scale, sliding_window=sliding_window,
+                                      interpret=interpret)
+
+
+def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """[N, P] page ids -> [N, kv_heads, P * page_size, head_dim] for one layer, in one gather."""
+    pages = cache[layer, :, block_tables]  # [N, P, kv_heads, page_size, head_dim]
+    n, p, kvh, ps, d = pages.shape
+    return pages.transpose(0, 2, 1, 3, 4).reshape(n, kvh, p * ps, d)
+
+
+def _masked_softmax_attend(scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str) -> jax.Array:
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask, probs, 0.0)  # rows with no valid key (padding) give zeros, not NaN
+    return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+
+def decode_attention_xla(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale, sliding_window):
+    """One query per sequence. q: [B, heads, head_dim] -> [B, heads, head_dim]."""
+    b, h, d = q.shape
+    kvh = cache_k.shape[1]
+    keys = _gather_pages(cache_k, layer, block_tables)  # [B, kvh, C, d]
+    values = _gather_pages(cache_v, layer, block_tables)
+    qg = q.reshape(b, kvh, h // kvh, d)
+    scores = jnp.einsum("bkgd,bkcd->bkgc", qg, keys, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(keys.shape[2])[None, :]
+    q_pos = (context_lens - 1)[:, None]
+    mask = key_pos <= q_pos
+    if sliding_window is not None:
+        mask &= key_pos > q_pos - sliding_window
+    out = _masked_softmax_attend(scores, mask[:, None, None, :], values, "bkgc,bkcd->bkgd")
+    return out.reshape(b, h, d)
+
+
+def query_blocks(query_start: jax.Array, num_tokens: int, block: int):
+    """Splits each sequence's new tokens into blocks of `block` tokens, one sequence per block.
+
+    Returns (seq [NB], start [NB], length [NB]) with NB = ceil(T / block) + S, enough for any layout;
+    unused blocks have length 0 and seq == S.
+    """
+    num_seqs = query_start.shape[0] - 1
+    nb = -(-num_tokens // block) + num_seqs
+    q_lens = query_start[1:] - query_start[:-1]
+    per_seq = (q_lens + block - 1) // block
+    cum = jnp.cumsum(per_seq)
+    b = jnp.arange(nb, dtype=jnp.int32)
+    seq = jnp.searchsorted(cum, b, side="right").astype(jnp.int32)
+    valid = seq < num_seqs
+    s = jnp.minimum(seq, num_seqs - 1)
+    index_in_seq = b - (cum[s] - per_seq[s])
+    start = query_start[s] + index_in_seq * block
+    length = jnp.where(valid, jnp.clip(q_lens[s] - index_in_seq * block, 0, block), 0)
+    return seq, start, length
+
+
+def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *, scale, sliding_window,
+                         block: int = XLA_QUERY_BLOCK):
+    """Any mix of prompt chunks and decode tokens. q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    t, h, d = q.shape
+    kvh = cache_k.shape[1]
+    num_seqs = meta.block_tables.shape[0]
+    seq, start, length = query_blocks(meta.query_start, t, block)
+    tok = start[:, None] + jnp.arange(block)[None, :]  # [NB, block]
+    tok_valid = jnp.arange(block)[None, :] < length[:, None]
+    tok_c = jnp.clip(tok, 0, t - 1)
+    qb = q[tok_c].reshape(-1, block, kvh, h // kvh, d)  # [NB, block, kvh, g, d]
+    q_pos = jnp.where(tok_valid, meta.positions[tok_c], -1)  # -1: attends to nothing
+    s = jnp.minimum(seq, num_seqs - 1)
+    keys = _gather_pages(cache_k, layer, meta.block_tables[s])  # [NB, kvh, C, d]
+    values = _gather_pages(cache_v, layer, meta.block_tables[s])
+    scores = jnp.einsum("nqkgd,nkcd->nkgqc", qb, keys, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(keys.shape[2])[None, None, :]
+    mask = key_pos <= q_pos[:, :, None]  # [NB, block, C]
+    if sliding_window is not None:
+        mask &= key_pos > q_pos[:, :, None] - sliding_window
+    out = _masked_softmax_attend(scores, mask[:, None, None, :, :], values, "nkgqc,nkcd->nqkgd")
+    out = out.reshape(-1, h, d)
+    dest = jnp.where(tok_valid, tok, t).reshape(-1)  # invalid rows go out of bounds and are dropped
+    return jnp.zeros((t, h, d), out.dtype).at[dest].set(out, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window",))
+def reference_attention(q, k, v, *, sliding_window=None):
+    """Dense causal attention over one whole sequence (tests). q: [T, H, D]; k, v: [T, KVH, D]."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(t, kvh, h // kvh, d)
+    scores = jnp.einsum("qkgd,ckd->kgqc", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    out = _masked_softmax_attend(scores, mask[None, None], v, "kgqc,ckd->qkgd")
+    return out.reshape(t, h, d).astype(q.dtype)

@@ -1,0 +1,199 @@
+"""The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) as a Flax NNX module.
+
+Each weight is declared once in `weight_specs` (shape, logical axes, initialiser); the module, the converter's
+shape checks and the sharding rules all derive from that table. Layers are stacked ([layers, ...]) and run
+under `jax.lax.scan`, so compile time does not grow with depth.
+
+Forward contract (pure; the engine wraps it in jit with the cache donated):
+
+    hidden, cache = model(tokens [T], cache, meta, attention_impl)
+    logits = model.logits(hidden[rows])            # [rows, vocab] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.kv.cache import AttentionMetadata, KVCache
+from jaxserve.models import layers
+from jaxserve.models.attention import paged_attention, reference_attention
+from jaxserve.models.linear import dense
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names, mapped to mesh axes by jaxserve.parallel
+    init: str = "normal"  # normal | ones | zeros
+    contract: int = 1  # leading (after "layers") input dims a dense product contracts; 0 for non-matmul weights
+
+
+def layer_weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+    """Per-layer weights, stacked on a leading `layers` axis."""
+    L, E, F, H, K, D = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                        cfg.num_kv_heads, cfg.head_dim)
+    specs = {
+        "attn_norm": WeightSpec((L, E), ("layers", "norm"), "ones", 0),
+        "wq": WeightSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim")),
+        "wk": WeightSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": WeightSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": WeightSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), contract=2),
+        "mlp_norm": WeightSpec((L, E), ("layers", "norm"), "ones", 0),
+        "w_gate": WeightSpec((L, E, F), ("layers", "embed", "mlp")),
+        "w_up": WeightSpec((L, E, F), ("layers", "embed", "mlp")),
+        "w_down": WeightSpec((L, F, E), ("layers", "mlp", "embed")),
+    }
+    if cfg.qkv_bias:
+        specs["bq"] = WeightSpec((L, H, D), ("layers", "heads", "head_dim"), "zeros", 0)
+        specs["bk"] = WeightSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros", 0)
+        specs["bv"] = WeightSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros", 0)
+    if cfg.qk_norm:
+        specs["q_norm"] = WeightSpec((L, D), ("layers", "head_dim"), "ones", 0)
+        specs["k_norm"] = WeightSpec((L, D), ("layers", "head_dim"), "ones", 0)
+    return specs
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+    """Every weight of the model by path ("embed", "layers/wq", ...)."""
+    specs = {"embed": WeightSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), contract=0)}
+    specs.update({f"layers/{name}": spec for name, spec in layer_weight_specs(cfg).items()})
+    specs["final_norm"] = WeightSpec((cfg.hidden_size,), ("norm",), "ones", 0)
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = WeightSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def _init(spec: WeightSpec, dtype, key: jax.Array | None) -> jax.Array:
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, dtype)
+    if spec.init == "zeros" or key is None:
+        return jnp.zeros(spec.shape, dtype)
+    return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers; attributes hold stacked weights [layers, ...]. Called on one layer's slice."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+        for name, spec in layer_weight_specs(cfg).items():
+            key = rngs.params() if rngs is not None else None
+            setattr(self, name, nnx.Param(_init(spec, dtype, key), axes=spec.axes))
+
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig):
+        """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
+        and `aux` (the updated cache, for the paged path) is handed back to the caller."""
+        h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+        q = dense(h, self.wq, "...te,ehd->...thd")
+        k = dense(h, self.wk, "...te,ehd->...thd")
+        v = dense(h, self.wv, "...te,ehd->...thd")
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if cfg.qk_norm:
+            q = layers.rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = layers.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        attn, aux = attend(q, k, v)
+        x = x + dense(attn, self.wo, "...thd,hde->...te")
+        h = layers.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+        gate = dense(h, self.w_gate, "...te,ef->...tf")
+        up = dense(h, self.w_up, "...te,ef->...tf")
+        return x + dense(jax.nn.silu(gate) * up, self.w_down, "...tf,fe->...te"), aux
+
+
+class Llama(nnx.Module):
+    """The decoder. `cfg` and the attention implementation are static; everything else is arrays."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        specs = weight_specs(cfg)
+        key = (lambda: rngs.params()) if rngs is not None else (lambda: None)
+        self.embed = nnx.Param(_init(specs["embed"], dtype, key()), axes=specs["embed"].axes)
+        self.layers = DecoderLayers(cfg, dtype, rngs)
+        self.final_norm = nnx.Param(_init(specs["final_norm"], dtype, None), axes=specs["final_norm"].axes)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(_init(specs["lm_head"], dtype, key()), axes=specs["lm_head"].axes)
+        self.inv_freq = layers.rope_inv_freq(cfg.rope, cfg.head_dim)
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+    def __call__(self, tokens: jax.Array, cache: KVCache, meta: AttentionMetadata,
+                 attention_impl: str = "xla") -> tuple[jax.Array, KVCache]:
+        """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache."""
+        cfg = self.cfg
+        x = self.embed[...][tokens]
+        cos, sin = layers.rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
+
+        def one_layer(layer, carry, index):
+            x, cache_k, cache_v = carry
+
+            def attend(q, k, v):
+                out, k_new, v_new = paged_attention(q, k, v, cache_k, cache_v, index, meta,
+                                                    sliding_window=cfg.sliding_window, impl=attention_impl)
+                return out, (k_new, v_new)
+
+            x, (cache_k, cache_v) = layer(x, cos, sin, attend, cfg)
+            return x, cache_k, cache_v
+
+        x, k, v = self._scan_layers(one_layer, (x, cache.k, cache.v))
+        return x, KVCache(k, v)
+
+    def forward_dense(self, tokens: jax.Array) -> jax.Array:
+        """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal."""
+        cfg = self.cfg
+        x = self.embed[...][tokens]
+        cos, sin = layers.rope_cos_sin(jnp.arange(tokens.shape[1]), self.inv_freq, x.dtype)
+        dense_attention = jax.vmap(lambda q, k, v: reference_attention(q, k, v, sliding_window=cfg.sliding_window))
+        x = self._scan_layers(lambda layer, x, index: layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None),
+                                                            cfg)[0], x)
+        return self.logits(x)
+
+    def _scan_layers(self, body, carry):
+        """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan."""
+        graphdef, stacked = nnx.split(self.layers)
+
+        def step(carry, xs):
+            layer_state, index = xs
+            return body(nnx.merge(graphdef, layer_state), carry, index), None
+
+        indices = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(step, carry, (stacked, indices))
+        return carry
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[..., hidden] -> [..., vocab] float32 logits (applies the final norm)."""
+        h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_word_embeddings:
+            return jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        return dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32)
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:
+    """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything."""
+    return nnx.eval_shape(lambda: Llama(cfg, dtype, rngs=nnx.Rngs(0)))
+
+
+def random_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Llama:
+    """A randomly initialised model, built on device in one compiled call (fast even for 8B shapes)."""
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
+
+    @jax.jit
+    def build():
+        return nnx.state(Llama(cfg, dtype, rngs=nnx.Rngs(seed)))
+
+    del abstract_state
+    return nnx.merge(graphdef, build())
+
+
+def numpy_dtype(name: str):
+    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[name]
+
+
+__all__ = ["Llama", "WeightSpec", "weight_specs", "layer_weight_specs", "abstract_model", "random_model",
+           "numpy_dtype"]
