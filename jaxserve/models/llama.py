@@ -117,7 +117,6 @@ class Llama(nnx.Module):
         self.final_norm = nnx.Param(_init(specs["final_norm"], dtype, None), axes=specs["final_norm"].axes)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(_init(specs["lm_head"], dtype, key()), axes=specs["lm_head"].axes)
-        self.inv_freq = layers.rope_inv_freq(cfg.rope, cfg.head_dim)
 
     @property
     def dtype(self):
@@ -128,7 +127,7 @@ class Llama(nnx.Module):
         """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache."""
         cfg = self.cfg
         x = self.embed[...][tokens]
-        cos, sin = layers.rope_cos_sin(meta.positions, self.inv_freq, x.dtype)
+        cos, sin = self._rope(meta.positions, x.dtype)
 
         def one_layer(layer, carry, index):
             x, cache_k, cache_v = carry
@@ -148,11 +147,14 @@ class Llama(nnx.Module):
         """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal."""
         cfg = self.cfg
         x = self.embed[...][tokens]
-        cos, sin = layers.rope_cos_sin(jnp.arange(tokens.shape[1]), self.inv_freq, x.dtype)
+        cos, sin = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
         dense_attention = jax.vmap(lambda q, k, v: reference_attention(q, k, v, sliding_window=cfg.sliding_window))
         x = self._scan_layers(lambda layer, x, index: layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None),
                                                             cfg)[0], x)
         return self.logits(x)
+
+    def _rope(self, positions, dtype):
+        return layers.rope_cos_sin(positions, layers.rope_inv_freq(self.cfg.rope, self.cfg.head_dim), dtype)
 
     def _scan_layers(self, body, carry):
         """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan."""
