@@ -1,0 +1,398 @@
+"""Continuous-batching scheduler: which sequences advance by how many tokens in the next step. No jax.
+
+There is no prefill phase and no decode phase. Each sequence has `num_computed_tokens` and a number of tokens it
+has; every step spends a token budget (`max_num_batched_tokens`) on them:
+
+    1. running sequences that need one token (decodes), oldest first — a long prompt never stalls them;
+    2. running sequences still in their prompt, a chunk each from what is left of the budget;
+    3. waiting sequences, in (priority, arrival) order, after a prefix-cache lookup, while the budget, the
+       sequence limit and the free pages allow.
+
+When a running sequence needs a page and none is free, the lowest-priority running sequence not yet in this step
+is preempted: its pages are freed (full ones stay findable in the prefix cache) and it goes back to waiting, to be
+recomputed later. Nothing is admitted in a step that preempted.
+
+The plan goes to the engine; `update()` takes the step's sampled tokens back. The engine may dispatch the next
+plan before the previous result is back (one step ahead), so sampled tokens can be "pending" for a while.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import random
+import time
+from typing import Iterable, Sequence as Seq
+
+from jaxserve.kv.allocator import PageAllocator, page_hashes
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+
+    @property
+    def num_slots(self) -> int:
+        """Device slots: one per running sequence, plus the null slot 0."""
+        return self.max_num_seqs + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    seq_id: int
+    slot: int
+    num_new_tokens: int
+    context_len: int  # tokens in the cache after this step
+    sample: bool  # this chunk ends at the sequence's last token: the step samples its next token
+    pages: tuple[int, ...]  # the sequence's pages (its block-table row)
+    prompt_logprobs: bool  # score this chunk's prompt tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotAssignment:
+    """A sequence entering a device slot: the device learns its tokens and sampling parameters."""
+
+    slot: int
+    seq_id: int
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    seqs: tuple[ScheduledSequence, ...]
+    new_slots: tuple[SlotAssignment, ...]
+    num_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.num_new_tokens == 1 and s.sample for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    """One scheduled row's result, as the engine read it back."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceUpdate:
+    """What update() did to a sequence: a new token (unless the sequence had already finished) and maybe a finish."""
+
+    seq: Sequence
+    token: SampledToken | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, eos_token_ids: Iterable[int] = (),
+                 clock=time.monotonic):
+        self.config = config
+        self.allocator = allocator
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.waiting: list[Sequence] = []  # sorted by queue_key
+        self.running: list[Sequence] = []
+        self.sequences: dict[int, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}
+        self._held_forks: dict[int, list[Sequence]] = {}  # leader seq_id -> siblings waiting for its prompt
+        self._free_slots = list(range(config.num_slots - 1, 0, -1))
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._rng = random.Random(0)
+        self.num_preemptions = 0
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> list[Sequence]:
+        """Queues a request as params.n sequences. Raises ValueError if it cannot fit max_model_len."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        max_len = self._max_len(len(prompt), params)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        seqs = [Sequence(next(self._seq_ids), request_id, i, params, list(prompt), len(prompt), max_len,
+                         self._seed(params, i), arrival, priority) for i in range(params.n)]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.sequences[seq.seq_id] = seq
+        self._enqueue(seqs[0])
+        if len(seqs) > 1:
+            for sibling in seqs[1:]:
+                sibling.fork_parent = seqs[0]
+            self._held_forks[seqs[0].seq_id] = seqs[1:]
+        return seqs
+
+    def _max_len(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.config.max_model_len
+        if prompt_len < 1:
+            raise ValueError("prompt must contain at least one token")
+        if prompt_len >= limit:
+            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len {limit} leaves no room to generate")
+        if params.max_tokens is None:
+            return limit
+        if prompt_len + params.max_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len {limit}")
+        return prompt_len + params.max_tokens
+
+    def _seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return self._rng.getrandbits(31)
+        return (params.seed + 0x9E3779B1 * index) % (2**31)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finishes every sequence of the request with "abort" and frees what they hold. Unknown ids: no-op."""
+        seqs = self.requests.get(request_id, [])
+        for seq in seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+        return seqs
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._drop_held_forks(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if all(s.is_finished for s in self.requests[seq.request_id]):
+            for s in self.requests.pop(seq.request_id):
+                self.sequences.pop(s.seq_id, None)
+
+    def _drop_held_forks(self, seq: Sequence) -> None:
+        """A leader that ends before its prompt is computed hands the prompt to its first held sibling."""
+        siblings = self._held_forks.pop(seq.seq_id, [])
+        if siblings and seq.finish_reason is None and seq.num_computed_tokens < seq.num_prompt_tokens:
+            leader, rest = siblings[0], siblings[1:]
+            leader.fork_parent = None
+            self._enqueue(leader)
+            if rest:
+                for s in rest:
+                    s.fork_parent = leader
+                self._held_forks[leader.seq_id] = rest
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(v) for v in self._held_forks.values())
+
+    # ---- scheduling -----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        scheduled: dict[int, ScheduledSequence] = {}
+        new_slots: list[SlotAssignment] = []
+        preempted = self._schedule_running(budget, scheduled)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, new_slots)
+        plan_seqs = tuple(scheduled.values())
+        return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs))
+
+    def _schedule_running(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence]) -> bool:
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        preempted = False
+        for seq in decodes + chunks:
+            if seq.status is not SequenceStatus.RUNNING or not budget.has_room():
+                continue
+            if seq.num_tokens >= seq.max_len:
+                continue  # its pending token is its last one
+            num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+            while not self._grow_pages(seq, seq.num_computed_tokens + num_new):
+                preempted = True
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled[seq.seq_id] = self._advance(seq, num_new, budget)
+        return preempted
+
+    def _schedule_waiting(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence],
+                          new_slots: list[SlotAssignment]) -> None:
+        index = 0
+        while index < len(self.waiting) and budget.has_room() and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[index]
+            if seq.num_pending_tokens:  # preempted while a step was in flight: wait for its token
+                index += 1
+                continue
+            if not self._admit(seq, budget):
+                break
+            self.waiting.pop(index)
+            new_slots.append(SlotAssignment(seq.slot, seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens,
+                                            seq.params, seq.seed))
+            scheduled[seq.seq_id] = self._advance(seq, min(seq.num_uncomputed_tokens, budget.tokens), budget)
+
+    def _admit(self, seq: Sequence, budget: "_Budget") -> bool:
+        """Gives a waiting sequence cached prefix pages, pages for its first chunk and a slot; False if no room."""
+        page_size = self.config.page_size
+        if not seq.pages:
+            seq.page_hashes = page_hashes(seq.token_ids, page_size, seq.page_hashes)
+            reusable = 0 if seq.wants_prompt_logprobs else (len(seq.token_ids) - 1) // page_size
+            seq.pages = self.allocator.lookup_prefix(seq.page_hashes, reusable)
+            seq.num_registered_pages = len(seq.pages)
+            seq.num_computed_tokens = len(seq.pages) * page_size
+        num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+        if not self._grow_pages(seq, seq.num_computed_tokens + num_new):
+            self.allocator.free(seq.pages)
+            seq.pages, seq.num_registered_pages, seq.num_computed_tokens = [], 0, 0
+            return False
+        seq.status = SequenceStatus.RUNNING
+        seq.slot = self._free_slots.pop()
+        self.running.append(seq)
+        return True
+
+    def _advance(self, seq: Sequence, num_new: int, budget: "_Budget") -> ScheduledSequence:
+        budget.spend(num_new)
+        seq.num_computed_tokens += num_new
+        sample = seq.num_computed_tokens == seq.num_tokens
+        if sample:
+            seq.num_pending_tokens += 1
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self._release_forks(seq)
+        prompt_logprobs = seq.wants_prompt_logprobs and seq.num_computed_tokens - num_new < seq.num_prompt_tokens
+        return ScheduledSequence(seq.seq_id, seq.slot, num_new, seq.num_computed_tokens, sample, tuple(seq.pages),
+                                 prompt_logprobs)
+
+    def _release_forks(self, leader: Sequence) -> None:
+        """Siblings of a request share the leader's full prompt pages and recompute only the remainder."""
+        siblings = self._held_forks.pop(leader.seq_id, [])
+        shared = leader.pages[:(leader.num_prompt_tokens - 1) // self.config.page_size]
+        for sibling in siblings:
+            self.allocator.share(shared)
+            sibling.pages = list(shared)
+            sibling.page_hashes = list(leader.page_hashes[:len(shared)])
+            sibling.num_registered_pages = min(leader.num_registered_pages, len(shared))
+            sibling.num_computed_tokens = len(shared) * self.config.page_size
+            sibling.fork_parent = None
+            self._enqueue(sibling)
+
+    def _grow_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.config.page_size) - len(seq.pages)
+        if needed <= 0:
+            return True
+        if not self.allocator.can_allocate(needed):
+            return False
+        seq.pages.extend(self.allocator.allocate(needed))
+        return True
+
+    def _pick_victim(self, scheduled: dict[int, ScheduledSequence]) -> Sequence:
+        candidates = [s for s in self.running if s.seq_id not in scheduled]
+        return max(candidates, key=Sequence.queue_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Returns pages (full known ones stay in the prefix cache) and the slot."""
+        self._register_full_pages(seq)
+        self.allocator.free(seq.pages)
+        seq.pages, seq.num_registered_pages, seq.num_computed_tokens = [], 0, 0
+        self._free_slots.append(seq.slot)
+        seq.slot = 0
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Indexes the pages whose tokens are all known on the host and whose K/V are (being) computed."""
+        page_size = self.config.page_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // page_size
+        if num_full <= seq.num_registered_pages:
+            return
+        seq.page_hashes = page_hashes(seq.token_ids[:num_full * page_size], page_size, seq.page_hashes[:num_full])
+        first = seq.num_registered_pages
+        self.allocator.register_full_pages(seq.pages[first:num_full], seq.page_hashes[first:num_full])
+        seq.num_registered_pages = num_full
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=Sequence.queue_key)
+
+    # ---- results --------------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, tokens: Seq[SampledToken | None]) -> list[SequenceUpdate]:
+        """Takes a step's results (one per plan row; None for rows that did not sample) and applies them."""
+        updates = []
+        for row, token in zip(plan.seqs, tokens):
+            if not row.sample:
+                continue
+            seq = self.sequences.get(row.seq_id)
+            if seq is None or seq.is_finished:
+                continue  # finished or aborted after this step was dispatched: the extra token is dropped
+            seq.num_pending_tokens -= 1
+            seq.token_ids.append(token.token_id)
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                self.finish(seq, *reason)
+            elif seq.status is SequenceStatus.RUNNING:
+                self._register_full_pages(seq)
+            updates.append(SequenceUpdate(seq, token, seq.is_finished))
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
+        """EOS and stop tokens end a sequence only after min_tokens outputs (the sampler masks them before)."""
+        params = seq.params
+        if seq.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return ("stop", None)
+            if token_id in params.stop_token_ids:
+                return ("stop", token_id)
+        if len(seq.token_ids) >= seq.max_len:
+            return ("length", None)
+        return None
+
+    def check_invariants(self) -> None:
+        """Allocator invariant plus: every page is owned as often as its refcount says; slots are unique."""
+        self.allocator.check_invariants()
+        owners: dict[int, int] = {}
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING and seq.slot > 0
+            assert len(seq.pages) * self.config.page_size >= seq.num_computed_tokens
+            for page in seq.pages:
+                owners[page] = owners.get(page, 0) + 1
+        for seq in self.waiting + [s for v in self._held_forks.values() for s in v]:
+            assert seq.slot == 0
+            for page in seq.pages:
+                owners[page] = owners.get(page, 0) + 1
+        for page, count in owners.items():
+            assert self.allocator.refcount(page) == count, f"page {page}: {count} owners, refcount differs"
+        assert self.allocator.num_used_pages == len(owners)
+        slots = [s.slot for s in self.running]
+        assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
+        assert len(slots) + len(self._free_slots) == self.config.num_slots - 1
+
+
+class _Budget:
+    def __init__(self, tokens: int, seqs: int):
+        self.tokens, self.seqs = tokens, seqs
+
+    def has_room(self) -> bool:
+        return self.tokens > 0 and self.seqs > 0
+
+    def spend(self, tokens: int) -> None:
+        self.tokens -= tokens
+        self.seqs -= 1
