@@ -63,6 +63,13 @@ def check_paged_inputs(q_heads: int, head_dim: int, cache_k: jax.Array, cache_v:
     return kv_heads, q_heads // kv_heads
 
 
+def check_tiles(rows: int, block_k: int) -> None:
+    """Tile rules of the Triton dot: power-of-2 sizes, at least 16 rows, columns and contraction."""
+    for name, size in (("query rows", rows), ("block_k", block_k)):
+        if not is_pow2(size) or size < MIN_DOT_ROWS:
+            raise ValueError(f"{name} must be a power of 2 >= {MIN_DOT_ROWS} for the Triton dot, got {size}")
+
+
 def layer_operand(layer) -> jax.Array:
     """The layer index as the [1] int32 array the kernels read (it is traced inside the model's layer scan)."""
     return jnp.asarray(layer, jnp.int32).reshape(1)

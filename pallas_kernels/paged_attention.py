@@ -121,6 +121,7 @@ def paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, *, s
         config = choose_decode_config(batch, kv_heads, head_dim, cache_k.dtype.itemsize,
                                       block_tables.shape[1] * page_size, c.num_sms())
     block_h = max(c.MIN_DOT_ROWS, c.next_pow2(group))
+    c.check_tiles(block_h, config.block_k)
     qg = jnp.pad(q.reshape(batch, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
     tables = c.pad_block_tables(block_tables, page_size, config.block_k)
     out, lse = _decode_call(qg, cache_k, cache_v, c.layer_operand(layer), tables,

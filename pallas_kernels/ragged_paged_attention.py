@@ -158,6 +158,7 @@ def ragged_paged_attention(q, cache_k, cache_v, layer, block_tables, context_len
     if config is None:
         config = choose_ragged_config(num_tokens, block_tables.shape[0], group, head_dim, cache_k.dtype.itemsize)
     group_padded = c.next_pow2(group)
+    c.check_tiles(config.block_q * group_padded, config.block_k)
     query_start, context_lens = query_start.astype(jnp.int32), context_lens.astype(jnp.int32)
     seq, first, count, position = query_block_layout(query_start, context_lens, num_tokens, config.block_q)
     q_blocks = _to_blocks(q, first, count, kv_heads, group_padded, config.block_q)
