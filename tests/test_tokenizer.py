@@ -232,7 +232,8 @@ def test_generation_tag_renders_its_body():
     tok = load_tokenizer(FIXTURES / "llama2_spm",
                          chat_template="{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}"
                                        "{% endfor %}")
-    assert tok.apply_chat_template([{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]) == "[a][b]"
+    messages = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    assert tok.apply_chat_template(messages) == "[a][b]"
 
 
 def test_empty_conversation_is_a_client_error(tokenizers):

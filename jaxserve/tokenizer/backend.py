@@ -48,7 +48,8 @@ def transformers_class(files: TokenizerFiles) -> str:
         return LLAMA
     declared = (files.config.get("tokenizer_class") or "").removesuffix("Fast")
     registered = (MODEL_TYPE_CLASSES.get(files.model_type) or "").removesuffix("Fast")
-    if declared == LLAMA and files.model_type not in OVERRIDDEN_CLASS_MODEL_TYPES and '"ByteLevel"' in files.tokenizer_json:
+    byte_level = '"ByteLevel"' in files.tokenizer_json
+    if declared == LLAMA and byte_level and files.model_type not in OVERRIDDEN_CLASS_MODEL_TYPES:
         chosen = AS_WRITTEN  # a Llama-3-style byte-level tokenizer.json mislabelled LlamaTokenizer
     elif declared and registered and declared != registered:
         chosen = registered if files.model_type in OVERRIDDEN_CLASS_MODEL_TYPES else declared
@@ -137,7 +138,8 @@ def check_token_id(backend: Tokenizer, content: str, expected: int) -> None:
                          "tokenizer_config.json's added_tokens_decoder does not fit this vocabulary")
 
 
-def bos_eos_processor(backend: Tokenizer, config: dict[str, Any], special: SpecialTokens) -> processors.TemplateProcessing:
+def bos_eos_processor(backend: Tokenizer, config: dict[str, Any],
+                      special: SpecialTokens) -> processors.TemplateProcessing:
     """LlamaTokenizer's post-processor: BOS unless "add_bos_token": false, EOS only if "add_eos_token": true."""
     bos = [special.bos] if config.get("add_bos_token", True) and special.bos is not None else []
     eos = [special.eos] if config.get("add_eos_token", False) and special.eos is not None else []

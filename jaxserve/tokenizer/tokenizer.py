@@ -57,7 +57,8 @@ class Tokenizer:
         return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
     def id_to_token(self, token_id: int) -> str:
-        """The vocabulary entry (e.g. "▁Hello", "Ġworld", "<0xE1>"), not its text; KeyError outside the vocabulary."""
+        """The vocabulary entry (e.g. "▁Hello", "Ġworld", "<0xE1>"), not its text. KeyError outside the
+        vocabulary (a model's embedding may have more rows than its tokenizer has tokens)."""
         token = self.backend.id_to_token(int(token_id))
         if token is None:
             raise KeyError(f"token id {token_id} is not in the vocabulary ({self.vocab_size} tokens)")
