@@ -118,8 +118,10 @@ def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *,
     mask = key_pos <= q_pos[:, :, None]  # [NB, block, C]
     if sliding_window is not None:
         mask &= key_pos > q_pos[:, :, None] - sliding_window
-    out = _masked_softmax_attend(scores, mask[:, None, None, :, :], values, "nkgqc,nkcd->nqkgd")
-    out = out.reshape(-1, h, d)
+    # Produce [NB, kvh, g, block, d] and transpose after: XLA:CPU has no bf16 x bf16 -> f32 dot that writes the
+    # transposed "nqkgd" layout directly (UNIMPLEMENTED ... DotThunk::Execute), so bfloat16 prefill failed on CPU.
+    out = _masked_softmax_attend(scores, mask[:, None, None, :, :], values, "nkgqc,nkcd->nkgqd")
+    out = out.transpose(0, 3, 1, 2, 4).reshape(-1, h, d)
     dest = jnp.where(tok_valid, tok, t).reshape(-1)  # invalid rows go out of bounds and are dropped
     return jnp.zeros((t, h, d), out.dtype).at[dest].set(out, mode="drop")
 
