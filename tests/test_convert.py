@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tracemalloc
 from pathlib import Path
 
 import ml_dtypes
@@ -18,6 +19,9 @@ from jaxserve import cli
 from jaxserve.checkpoint import load_model, model_params_numpy, read_metadata
 from jaxserve.config import ModelConfig, model_config_from_hf
 from jaxserve.convert import ConvertError, convert
+from jaxserve.convert.converter import config_from_source, read_params
+from jaxserve.convert.hf_source import TensorReader, open_source
+from jaxserve.convert.names import expected_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WEIGHTS = "model.safetensors"
@@ -172,6 +176,24 @@ def test_bfloat16_source_and_dtype_choice(tmp_path):
     assert_same_params(params(from_bf16), params(from_f32))
     as_f32 = convert(hf, tmp_path / "as-f32", dtype="float32", progress=False)
     assert load_model(as_f32).dtype == np.float32
+
+
+def test_peak_memory_is_one_model_copy_plus_a_few_tensors():
+    """Streaming: the converted arrays are allocated once and filled tensor by tensor (numpy allocations are what
+    tracemalloc sees; safetensors maps the files)."""
+    source = open_source(FIXTURES / "llama2" / "hf")
+    cfg = config_from_source(source, None)
+    targets = expected_tensors(cfg)
+    with TensorReader(source) as reader:
+        largest = max(int(np.prod(reader.shape(name))) * 4 for name in targets)
+        tracemalloc.start()
+        try:
+            converted = read_params(reader, targets, cfg, progress=False)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    model_bytes = sum(a.nbytes for a in converted.values())
+    assert peak <= model_bytes + 4 * largest, (peak, model_bytes, largest)
 
 
 def test_rotary_inv_freq_buffers_are_ignored(tmp_path):
