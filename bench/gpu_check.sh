@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One prepared GPU check for issue 5, run from the repo root on a machine with a CUDA GPU (bare image with
+# jax 0.11.2 CUDA, flax, numpy; this repo copied in). Finishes within ~8 minutes; every phase has its own time
+# cap, so one hang cannot eat the others' budget.
+#
+#   bash bench/gpu_check.sh            # results in $OUT (or bench/out when OUT is unset)
+#
+# Phases: kernel tests compiled for the GPU (JAXSERVE_KERNEL_INTERPRET=0), bench/kernels.py (with the decode
+# sweep), bench/offline_throughput.py (Llama-3-8B-shaped random model, bf16, batch 1/16/64/256), then one short
+# table. $OUT gets at most 7 files: tests.log, kernels.log, kernels.json, e2e.log, e2e.json, RESULTS.md,
+# summary.txt. Copy RESULTS.md into bench/RESULTS.md with the run's date.
+set -u -o pipefail
+
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAXSERVE_KERNEL_INTERPRET=0
+PY=${PYTHON:-python3}
+START=$SECONDS
+BUDGET=${BUDGET_S:-470}  # whole script, seconds
+
+# cap SECONDS: run the rest of the command line with at most SECONDS, and never past the overall budget.
+cap() {
+  local want=$1; shift
+  local left=$((BUDGET - (SECONDS - START)))
+  local limit=$((want < left ? want : left))
+  if ((limit < 20)); then echo "skipped (budget spent): $*"; return 124; fi
+  timeout --kill-after=10 "$limit" "$@"
+}
+
+phase() { echo; echo "=== $1 ($((SECONDS - START)) s elapsed)"; }
+
+phase "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+$PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" 2>&1 | tail -1
+
+phase "kernel tests on the GPU"
+cap 150 $PY -m pytest -q -p no:cacheprovider -m "not slow" --durations=10 \
+  tests/test_kernels_attention.py tests/test_kernels_model.py tests/test_kernels_lowering.py \
+  2>&1 | tee "$OUT/tests.log" | tail -25
+TESTS_RC=$?
+
+phase "kernel benchmark"
+cap 220 $PY bench/kernels.py --sweep --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | grep -v Warning
+BENCH_RC=$?
+
+phase "end-to-end offline throughput"
+if [[ -f bench/offline_throughput.py ]]; then
+  cap 200 $PY bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 256 --out "$OUT/e2e.json" \
+    2>&1 | tee "$OUT/e2e.log" | tail -30
+  E2E_RC=$?
+else
+  echo "bench/offline_throughput.py is not in this checkout: no end-to-end numbers" | tee "$OUT/e2e.log"
+  E2E_RC=127
+fi
+
+phase "summary"
+echo "exit codes: tests=$TESTS_RC bench=$BENCH_RC e2e=$E2E_RC (124 = hit its time cap)" | tee "$OUT/summary.txt"
+if [[ -f "$OUT/kernels.json" ]]; then
+  $PY bench/kernels.py --summarize "$OUT/kernels.json" --e2e "$OUT/e2e.json" --markdown "$OUT/RESULTS.md" \
+    2>&1 | tee -a "$OUT/summary.txt"
+else
+  echo "no kernels.json: see kernels.log" | tee -a "$OUT/summary.txt"
+fi
+grep -E "passed|failed|error" "$OUT/tests.log" | tail -1 | tee -a "$OUT/summary.txt"
+echo "total $((SECONDS - START)) s"
