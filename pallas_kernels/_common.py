@@ -12,7 +12,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 LOG2_E = math.log2(math.e)
@@ -34,7 +33,7 @@ def num_sms() -> int:
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+    return 1 << max(0, n - 1).bit_length()
 
 
 def is_pow2(n: int) -> bool:
