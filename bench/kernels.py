@@ -67,19 +67,20 @@ SMOKE = Setup((3,), (40,), 2, 8, 64, 16, "float32", 1, 1, True, 2**22, 2**30,
 
 
 def chained(fn, n: int, setup: Setup):
-    """jit of n dependent calls: fn(q, *rest) -> array shaped like q, fed back as the next q."""
+    """jit of n dependent calls: fn(q, *rest) -> array shaped like q, fed back as the next q.
+
+    A fori_loop with a static trip count: one kernel instance to compile, and XLA runs a known-trip-count loop
+    without reading a predicate back to the host each iteration.
+    """
     def run(q, *rest):
-        for _ in range(n):
-            q = fn(q, *rest).astype(q.dtype)
-        return q
+        return jax.lax.fori_loop(0, n, lambda _, q: fn(q, *rest).astype(q.dtype), q)
     return jax.jit(run, compiler_options=setup.compiler_options)
 
 
 def seconds_per_call(fn, args, setup: Setup, run=None) -> float:
     """Median wall time of `setup.chain` chained calls, per call. `run`: an already compiled chain to reuse."""
-    if run is None:
-        run = chained(fn, setup.chain, setup)
-        jax.block_until_ready(run(*args))  # compile and warm up
+    run = run or chained(fn, setup.chain, setup)
+    jax.block_until_ready(run(*args))  # compile (or, the first time in a process, retrace) and warm up
     times = []
     for _ in range(setup.reps):
         start = time.perf_counter()
@@ -160,16 +161,20 @@ def example_blocks(pages_per_seq: int) -> dict:
     return dict(k_splits=k_splits, pages_per_compute_block=min(8, pages_per_seq // k_splits))
 
 
-def bench_decode(setup: Setup, copy_bw: float) -> list[dict]:
-    rows = []
+def decode_shapes(setup: Setup) -> list[tuple[int, int]]:
+    """(batch, context) pairs, the issue's target shape first so a time cap cannot cost its numbers."""
+    shapes = [(batch, context) for batch in setup.batches for context in setup.contexts]
+    return sorted(shapes, key=lambda shape: shape != (TARGET["batch"], TARGET["context"]))
+
+
+def bench_decode(setup: Setup, copy_bw: float):
+    """Yields the rows of one (batch, context) shape at a time."""
     impls = decode_impls(setup)
-    for batch in setup.batches:
-        for context in setup.contexts:
-            args = decode_problem(batch, context, setup)
-            rows += measure_all(impls, args, kv_bytes([context] * batch, setup), setup, copy_bw,
-                                dict(kernel="decode", batch=batch, context=context))
-            del args
-    return rows
+    for batch, context in decode_shapes(setup):
+        args = decode_problem(batch, context, setup)
+        yield measure_all(impls, args, kv_bytes([context] * batch, setup), setup, copy_bw,
+                          dict(kernel="decode", batch=batch, context=context))
+        del args
 
 
 def measure_all(impls: dict, args, nbytes: int, setup: Setup, copy_bw: float, labels: dict,
@@ -251,22 +256,21 @@ def ragged_impls(setup: Setup, page_size: int) -> dict:
     }
 
 
-def bench_ragged(setup: Setup, copy_bw: float) -> list[dict]:
-    rows = []
+def bench_ragged(setup: Setup, copy_bw: float):
+    """Yields the rows of one token mix at a time."""
     impls = ragged_impls(setup, setup.page_size)
     for name, (query_lens, context_lens, num_tokens) in ragged_mixes(setup).items():
         args = ragged_problem(query_lens, context_lens, num_tokens, setup)
-        rows += measure_all(impls, args, kv_bytes(context_lens, setup), setup, copy_bw,
-                            dict(kernel="ragged", mix=name, tokens=num_tokens),
-                            flops=ragged_flops(query_lens, context_lens, setup))
-    return rows
+        yield measure_all(impls, args, kv_bytes(context_lens, setup), setup, copy_bw,
+                          dict(kernel="ragged", mix=name, tokens=num_tokens),
+                          flops=ragged_flops(query_lens, context_lens, setup))
 
 
 # ---------------------------------------------------------------------------------------------- sweep
 
 
-def sweep_decode(setup: Setup, copy_bw: float, batch: int = 64, context: int = 2048) -> list[dict]:
-    """Launch configs and page sizes of the decode kernel at the target shape (one of each with --smoke)."""
+def sweep_decode(setup: Setup, copy_bw: float, batch: int = 64, context: int = 2048):
+    """Launch configs and page sizes of the decode kernel at the target shape (one config with --smoke)."""
     base = pa.choose_decode_config(batch, setup.kv_heads, setup.head_dim, jnp.dtype(setup.dtype).itemsize,
                                    context)
     configs = [dataclasses.replace(base, block_k=bk, num_warps=w, num_stages=s)
@@ -276,11 +280,12 @@ def sweep_decode(setup: Setup, copy_bw: float, batch: int = 64, context: int = 2
     if setup.interpret:
         configs, page_sizes = configs[:1], ()
     args = decode_problem(batch, context, setup)
-    rows = [sweep_row(setup, config, args, batch, context, copy_bw) for config in configs]
+    for config in configs:
+        yield [sweep_row(setup, config, args, batch, context, copy_bw)]
+    del args
     for page_size in page_sizes:
         paged = dataclasses.replace(setup, page_size=page_size)
-        rows.append(sweep_row(paged, None, decode_problem(batch, context, paged), batch, context, copy_bw))
-    return rows
+        yield [sweep_row(paged, None, decode_problem(batch, context, paged), batch, context, copy_bw)]
 
 
 def sweep_row(setup, config, args, batch, context, copy_bw) -> dict:
@@ -387,19 +392,27 @@ def main(argv: list[str] | None = None) -> dict:
     device = jax.devices()[0]
     print(f"device: {device.device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s; "
           f"{'interpret mode' if setup.interpret else 'compiled'}; * = K/V fit in L2")
-    results = dict(device=device.device_kind, copy_bandwidth_GBps=copy_bw / 1e9, setup=dataclasses.asdict(setup),
-                   decode=bench_decode(setup, copy_bw))
+    results = dict(device=device.device_kind, copy_bandwidth_GBps=copy_bw / 1e9, setup=dataclasses.asdict(setup))
+    record(results, "decode", bench_decode(setup, copy_bw), args.out)
     print_table("decode (ms per call, % of copy bandwidth)", results["decode"], ("batch", "context"))
-    results["ragged"] = bench_ragged(setup, copy_bw)
+    record(results, "ragged", bench_ragged(setup, copy_bw), args.out)
     print_table("ragged (ms per call, % of copy bandwidth)", results["ragged"], ("mix", "tokens"))
     if args.sweep:
-        results["sweep"] = sweep_decode(setup, copy_bw, *((setup.batches[0], setup.contexts[0]) if args.smoke else ()))
-        for row in results["sweep"]:
-            print(f"sweep page={row['page_size']} {row['config']}: " +
-                  (f"{row['ms']:.3f}ms {100 * row['frac_copy_bw']:.0f}%" if "ms" in row else row["skipped"]))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+        shape = (setup.batches[0], setup.contexts[0]) if args.smoke else ()
+        record(results, "sweep", sweep_decode(setup, copy_bw, *shape), args.out)
     return results
+
+
+def record(results: dict, section: str, batches, out: Path | None) -> None:
+    """Collects rows batch by batch, logging each and rewriting `out`, so a run cut short keeps what it measured."""
+    results[section] = []
+    for rows in batches:
+        results[section] += rows
+        for row in rows:
+            print(f"  {section}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in row.items() if k not in ("kernel", "l2_resident")))
+        if out:
+            out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
