@@ -92,13 +92,19 @@ def load_kv_tile(k_ref, v_ref, tables_ref, seq, layer, kv_head, key_pos, page_si
     return k_ref[layer, kv_head, pages, offsets, :], v_ref[layer, kv_head, pages, offsets, :]
 
 
+def dot(a, b, trans_b: bool = False):
+    """Triton dot with f32 accumulation. HIGHEST keeps float32 operands in IEEE float32: the Pallas Triton
+    lowering's default precision turns a float32 dot into TF32 (10-bit mantissa); 16-bit operands are unaffected."""
+    return plgpu.dot(a, b, trans_b=trans_b, precision=lax.Precision.HIGHEST)
+
+
 def online_softmax_step(logits, v, m_prev, l_prev, acc_prev):
     """One flash-attention update. logits: [R, K] f32 in log2 units, already masked with MASK_VALUE; v: [K, D]."""
     m_next = jnp.maximum(m_prev, logits.max(axis=1))
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(logits - m_next[:, None])
     l_next = alpha * l_prev + p.sum(axis=1)
-    acc_next = acc_prev * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    acc_next = acc_prev * alpha[:, None] + dot(p.astype(v.dtype), v)
     return m_next, l_next, acc_next
 
 
@@ -116,7 +122,7 @@ def attend_tiles(q, k_ref, v_ref, tables_ref, seq, layer, kv_head, first_tile, e
     def body(tile, state):
         key_pos = tile * block_k + lax.iota(jnp.int32, block_k)
         k, v = load_kv_tile(k_ref, v_ref, tables_ref, seq, layer, kv_head, key_pos, page_size)
-        logits = plgpu.dot(q, k, trans_b=True) * scale_log2
+        logits = dot(q, k, trans_b=True) * scale_log2
         logits = jnp.where(mask_fn(key_pos), logits, MASK_VALUE)
         return online_softmax_step(logits, v, *state)
 

@@ -48,8 +48,9 @@ def choose_ragged_config(num_tokens: int, num_seqs: int, group: int, head_dim: i
     """Rows per program follow the mean tokens per sequence: 16 rows for decode-like mixes, 128 for prefill."""
     group_padded = c.next_pow2(group)
     mean_tokens = -(-num_tokens // max(1, num_seqs))
+    max_rows = MAX_ROWS if itemsize <= 2 else MAX_ROWS // 2  # float32 dots run on FMAs: 128 rows spill
     min_q = max(1, c.MIN_DOT_ROWS // group_padded)
-    block_q = min(max(c.next_pow2(mean_tokens), min_q), max(min_q, MAX_ROWS // group_padded))
+    block_q = min(max(c.next_pow2(mean_tokens), min_q), max(min_q, max_rows // group_padded))
     rows = block_q * group_padded
     block_k = min(64 if rows >= 64 else 128, max(16, c.TILE_BYTES // (head_dim * itemsize)))
     return RaggedConfig(block_q=block_q, block_k=block_k, num_warps=8 if rows >= 128 else 4,

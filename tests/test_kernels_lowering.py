@@ -3,14 +3,18 @@
 Interpret mode accepts code that the Triton lowering rejects (non-power-of-2 tensors, mixed dot dtypes, fewer
 than 16 dot rows, scalar prefetch, unsupported primitives). Lowering with `lowering_platforms=("cuda",)` under an
 AbstractMesh whose AbstractDevice is an H200 runs the real Pallas->Triton lowering; each Triton module is then
-re-parsed and run through the MLIR verifier. What this cannot catch: Triton's own compiler passes (layouts,
-shared-memory and register budgets, PTX) run inside XLA at GPU compile time, which needs a GPU
-(bench/gpu_check.sh runs the kernel tests there).
+re-parsed and run through the MLIR verifier. Triton's own compiler passes (layouts, pipelining, shared-memory
+and register budgets, PTX) run inside XLA at GPU compile time; where the `triton` package is installed (3.6 is
+on the GPU image), test_triton_compiles_for_sm90 pushes the same Triton IR through it for sm_90 with no GPU.
+bench/gpu_check.sh runs the kernel tests compiled on a real GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +58,7 @@ def triton_calls(lowered) -> list[dict]:
             module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
             assert module.operation.verify(), "the Triton module fails MLIR verification"
             text = str(module)
-        calls.append(dict(num_warps=ir.IntegerAttr(config["num_warps"]).value,
+        calls.append(dict(triton_ir=module.operation.get_asm(), num_warps=ir.IntegerAttr(config["num_warps"]).value,
                           num_stages=ir.IntegerAttr(config["num_stages"]).value,
                           operand_types=[str(v.type) for v in op.operands], module=text))
     return calls
@@ -73,6 +77,7 @@ def _check_one_kernel(lowered, pool):
     pool_type = f"tensor<{'x'.join(map(str, pool.shape))}x{ir_dtype(pool.dtype)}>"
     assert call["operand_types"].count(pool_type) == 2, "K and V pools must reach the kernel whole (no copies)"
     assert "tt.dot" in call["module"]
+    assert "inputPrecision = tf32" not in call["module"], "float32 dots must not silently run in TF32"
     return call
 
 
@@ -162,3 +167,54 @@ def test_wrappers_refuse_tiles_the_triton_dot_cannot_take():
     with pytest.raises(ValueError, match="block_k"):
         pa.paged_attention(q, pool, pool, 0, jnp.zeros((4, 4), jnp.int32), jnp.zeros((4,), jnp.int32), scale=1.0,
                            config=pa.DecodeConfig(block_k=8))
+
+
+SM90_SHARED_MEMORY = 232448  # bytes one block may use on H100/H200 (227 KiB)
+SM90_KERNELS = {  # name -> (kernel, tokens or batch, sequences, dtype)
+    "decode_bf16": ("decode", 64, 64, jnp.bfloat16),
+    "decode_f32": ("decode", 4, 4, jnp.float32),
+    "prefill_bf16": ("ragged", 2048, 4, jnp.bfloat16),
+    "mixed_bf16": ("ragged", 256, 256, jnp.bfloat16),
+}
+
+
+def _lower_bench_kernel(kind, rows, seqs, dtype):
+    pool = _pool(8, 16, 128, dtype)
+    q = jax.ShapeDtypeStruct((rows, 32, 128), dtype)
+    if kind == "decode":
+        return lower_for_h200(functools.partial(pa.paged_attention, scale=0.1), q, pool, pool, _i32(),
+                              _i32(seqs, 128), _i32(seqs))
+    return lower_for_h200(functools.partial(rpa.ragged_paged_attention, scale=0.1), q, pool, pool, _i32(),
+                          _i32(seqs, 128), _i32(seqs), _i32(seqs + 1))
+
+
+@pytest.mark.parametrize("name", SM90_KERNELS)
+def test_triton_compiles_for_sm90(name, tmp_path):
+    """Triton IR -> TTGIR -> PTX -> cubin for sm_90 with the `triton` package: pipelined loads, tensor-core dots
+    for 16-bit inputs, IEEE float32 dots, shared memory within a block's limit, no register spills (16-bit)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    kind, rows, seqs, dtype = SM90_KERNELS[name]
+    [call] = triton_calls(_lower_bench_kernel(kind, rows, seqs, dtype))
+    source = tmp_path / f"{name}.ttir"
+    source.write_text(call["triton_ir"])
+    kernel = triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=call["num_warps"], num_stages=call["num_stages"]))
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= SM90_SHARED_MEMORY
+    assert "cp.async" in ptx, "K/V tile loads should be pipelined through shared memory"
+    if dtype == jnp.float32:
+        assert "tf32" not in ptx
+        return
+    assert "mma" in ptx, "16-bit dots should run on tensor cores"
+    assert _ptxas_spill_bytes(Path(triton.__file__).parent, ptx, tmp_path) == 0
+
+
+def _ptxas_spill_bytes(triton_dir: Path, ptx: str, tmp_path: Path) -> int:
+    ptxas = triton_dir / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("triton ships no ptxas here")
+    (tmp_path / "k.ptx").write_text(ptx)
+    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                           str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info))
