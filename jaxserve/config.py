@@ -196,7 +196,8 @@ class EngineConfig:
     prefill_token_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] | None = None
     context_buckets: tuple[int, ...] | None = None  # pages-per-sequence ladder (tokens, rounded to pages)
-    compilation_cache_dir: str | None = None
+    compilation_cache_dir: str | None = None  # "" disables JAX's persistent compilation cache
+    xla_optimization_level: int | None = None  # XLA backend optimisation level (tests use 0 to compile fast)
     seed: int = 0
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1

@@ -1,0 +1,257 @@
+"""The engine: scheduler + model runner + output processing. One `step()` is schedule, run, post-process.
+
+    step():  plan N+1 = schedule()            (host, while the device still runs step N)
+             dispatch(plan N+1)               (asynchronous)
+             result N = fetch(step N)         (the only wait)
+             update scheduler, detokenize, stop strings -> RequestOutputs
+
+Single-threaded and synchronous from the caller's point of view; `AsyncEngine` runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Iterable, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.buckets import BucketTable
+from jaxserve.engine.memory import KVPlan, free_device_memory, plan_kv_cache
+from jaxserve.engine.output import RequestState
+from jaxserve.engine.runner import ModelRunner, PendingStep
+from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
+from jaxserve.engine.stats import EngineStats, StepRecord
+from jaxserve.kv.allocator import PageAllocator
+from jaxserve.kv.cache import KVCache
+from jaxserve.models.llama import Llama, numpy_dtype
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfig, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def resolve_attention(impl: str) -> str:
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in ("pallas", "xla"):
+        raise ValueError(f"attention must be auto, pallas or xla, not {impl!r}")
+    return impl
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
+    """`auto` keeps the checkpoint's dtype on accelerators; on CPU, XLA's float32 matmuls are faster than bf16."""
+    if requested != "auto":
+        return requested
+    return "float32" if jax.default_backend() == "cpu" else checkpoint_dtype
+
+
+class LLMEngine:
+    def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+                 show_progress: bool = True):
+        self.config = config
+        self.model_config: ModelConfig = model.cfg
+        self.tokenizer = tokenizer
+        self.max_model_len = config.resolved_max_model_len(model.cfg)
+        self.attention_impl = resolve_attention(config.attention)
+        self.kv_plan = self._plan_kv(model)
+        kv = KVCache.zeros(model.cfg.num_layers, model.cfg.num_kv_heads, self.kv_plan.num_pages, config.page_size,
+                           model.cfg.head_dim, model.dtype)
+        slots = SlotState.zeros(config.max_num_seqs + 1, self.max_model_len)
+        self.buckets = self._buckets()
+        options = ({"xla_backend_optimization_level": config.xla_optimization_level}
+                   if config.xla_optimization_level is not None else None)
+        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options)
+        self.compile_seconds = self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
+        allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
+        eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
+        self.eos_token_ids = tuple(eos)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, config.page_size), allocator, self.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self._in_flight: PendingStep | None = None
+        log.info("engine ready: %s attention, %d KV pages of %d tokens (%.1f MiB), %d step shapes compiled in %.1fs",
+                 self.attention_impl, self.kv_plan.num_pages, config.page_size, self.kv_plan.cache_bytes / 2**20,
+                 self.runner.num_executables, self.compile_seconds)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
+                       show_progress: bool = True) -> "LLMEngine":
+        from jaxserve.checkpoint import load_model
+        from jaxserve.tokenizer import load_tokenizer
+        if config.compilation_cache_dir != "":
+            enable_compilation_cache(config.compilation_cache_dir)
+        model_cfg = ModelConfig.load(model_dir)
+        model = load_model(model_dir, dtype=resolve_dtype(config.dtype, model_cfg.dtype))
+        tokenizer = load_tokenizer(model_dir, model_type=model_cfg.family)
+        return cls(model, config, tokenizer, show_progress=show_progress)
+
+    def _plan_kv(self, model: Llama) -> KVPlan:
+        itemsize = jnp.dtype(model.dtype).itemsize
+        return plan_kv_cache(model.cfg, self.config, self.max_model_len, itemsize, free_device_memory())
+
+    def _buckets(self) -> BucketTable:
+        c = self.config
+        max_pages = -(-self.max_model_len // c.page_size)
+        context = c.context_buckets and tuple(-(-t // c.page_size) for t in c.context_buckets)
+        if self.attention_impl == "pallas" and not context:
+            context = (max_pages,)  # the kernels read only the pages a sequence has
+        return BucketTable.build(c.max_num_seqs, c.max_num_batched_tokens, max_pages,
+                                 decode_sizes=c.decode_buckets, token_sizes=c.prefill_token_buckets,
+                                 seq_sizes=c.prefill_seq_buckets, context_pages=context)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> RequestState:
+        """Validates and queues a request. Raises ValueError with a message fit for a 400 response."""
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = self.scheduler.add_request(request_id, prompt_ids, params, arrival, priority)
+        state = RequestState(request_id, prompt_text, prompt_ids, params, seqs, self.tokenizer, arrival)
+        self.requests[request_id] = state
+        return state
+
+    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        self.scheduler.abort_request(request_id)
+        if state is None:
+            return None
+        return state.finish_all("abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches the next step, then processes the previous one's results."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        pending = self._dispatch(plan) if not plan.is_empty else None
+        scheduled_at = time.perf_counter()
+        previous, self._in_flight = self._in_flight, pending
+        outputs = self._finish_step(previous) if previous is not None else []
+        self.stats.host_seconds += scheduled_at - started
+        return outputs
+
+    def _dispatch(self, plan: StepPlan) -> PendingStep:
+        for assignment in plan.new_slots:
+            self.runner.assign_slot(assignment.slot, slot_row(
+                assignment.token_ids, assignment.num_prompt_tokens, assignment.params, assignment.seed,
+                self.eos_token_ids, self.max_model_len))
+        flags = SamplingFlags()
+        for row in plan.seqs:
+            seq = self.scheduler.sequences[row.seq_id]
+            flags = flags | SamplingFlags.of(seq.params)
+        if not any(row.prompt_logprobs for row in plan.seqs):
+            flags = dataclasses.replace(flags, prompt_logprobs=False)
+        return self.runner.dispatch(plan, flags)
+
+    def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+        wait_start = time.perf_counter()
+        sampled = np.asarray(pending.sampled.tokens)
+        waited = time.perf_counter() - wait_start
+        logprobs = self._fetch_logprobs(pending)
+        tokens = [SampledToken(int(sampled[i]), *logprobs[i]) if logprobs else SampledToken(int(sampled[i]))
+                  for i in range(len(pending.plan.seqs))]
+        touched = self._record_prompt_logprobs(pending)  # before update(), which forgets finished sequences
+        updates = self.scheduler.update(pending.plan, tokens)
+        now = time.monotonic()
+        for update in updates:
+            state = self.requests.get(update.seq.request_id)
+            if state is None:
+                continue
+            stop = state.append_token(update.seq, update.token, now)
+            if stop is not None:
+                self.scheduler.finish(update.seq, "stop", stop)
+            touched.add(state.request_id)
+        self.stats.record(StepRecord(pending.shape, pending.plan.num_tokens, len(pending.plan.seqs),
+                                     pending.dispatched_at, time.perf_counter(), waited))
+        return self._collect(touched, now)
+
+    def _fetch_logprobs(self, pending: PendingStep):
+        if not pending.flags.logprobs:
+            return None
+        out = pending.sampled
+        chosen, top_ids, top_lp = np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        rows = []
+        for i, row in enumerate(pending.plan.seqs):
+            seq = self.scheduler.sequences.get(row.seq_id)
+            k = seq.params.logprobs if seq is not None and seq.params.logprobs else 0
+            rows.append((float(chosen[i]), tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))))
+        return rows
+
+    def _record_prompt_logprobs(self, pending: PendingStep) -> set[str]:
+        touched: set[str] = set()
+        if pending.prompt_logprobs is None:
+            return touched
+        lp = pending.prompt_logprobs
+        chosen, top_ids, top_lp = np.asarray(lp.chosen), np.asarray(lp.top_ids), np.asarray(lp.top_logprobs)
+        start = 0
+        for row in pending.plan.seqs:
+            seq = self.scheduler.sequences.get(row.seq_id)
+            state = self.requests.get(seq.request_id) if seq is not None else None
+            if row.prompt_logprobs and state is not None:
+                first_pos = row.context_len - row.num_new_tokens
+                state.add_prompt_logprobs(first_pos, chosen[start:start + row.num_new_tokens],
+                                          top_ids[start:start + row.num_new_tokens],
+                                          top_lp[start:start + row.num_new_tokens])
+                touched.add(state.request_id)
+            start += row.num_new_tokens
+        return touched
+
+    def _collect(self, touched: Iterable[str], now: float) -> list[RequestOutput]:
+        outputs = []
+        for request_id in touched:
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            outputs.append(state.output(now))
+            if state.finished:
+                del self.requests[request_id]
+        return outputs
+
+    # ---- conveniences ---------------------------------------------------------------------------------------
+    def run_until_done(self) -> list[RequestOutput]:
+        """Steps until every request has finished; returns the final output of each."""
+        finals = []
+        while self.has_unfinished_requests():
+            finals.extend(o for o in self.step() if o.finished)
+        return finals
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """JAX's persistent compilation cache: a restart with the same shapes loads executables instead of compiling."""
+    from jaxserve.config import default_compilation_cache_dir
+    path = directory or default_compilation_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _progress(description: str):
+    def wrap(items):
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            return items
+        return tqdm(items, desc=description, unit="shape", leave=False)
+    return wrap

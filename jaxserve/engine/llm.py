@@ -1,0 +1,73 @@
+"""The offline API: `LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Iterator, Sequence as Seq
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+class LLM:
+    """A model loaded for offline generation. Engine options are EngineConfig fields (max_num_seqs=..., ...)."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, engine: LLMEngine | None = None,
+                 show_progress: bool = True, **engine_options):
+        if engine is None:
+            if model is None:
+                raise ValueError("LLM needs a model directory")
+            engine = LLMEngine.from_model_dir(model, EngineConfig(**engine_options), show_progress=show_progress)
+        self.engine = engine
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order."""
+        finals: dict[str, RequestOutput] = {}
+        request_ids = self._submit(prompts, sampling_params)
+        for output in self._drive():
+            if output.finished:
+                finals[output.request_id] = output
+        return [finals[rid] for rid in request_ids]
+
+    def generate_stream(self, prompts: Prompt | Seq[Prompt],
+                        sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yields each request's output every time it gains tokens (`new_text`/`new_token_ids` hold the delta)."""
+        self._submit(prompts, sampling_params)
+        yield from self._drive()
+
+    def _submit(self, prompts, sampling_params) -> list[str]:
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        request_ids = []
+        for prompt, p in zip(prompts, params):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, p or SamplingParams())
+            request_ids.append(request_id)
+        return request_ids
+
+    def _drive(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

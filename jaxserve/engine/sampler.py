@@ -1,0 +1,191 @@
+"""On-device sampling, inside the compiled step.
+
+Per-sequence sampling state lives on the device in a `SlotState` (one row per slot; slot 0 is the null slot that
+padding rows point at). The host writes a row once when a sequence enters a slot (`assign_slot`), so a step only
+sends the slot of each row. The token history is there too: a decode step reads its input token from it, which is
+what lets the host dispatch step N+1 before it has read step N's tokens.
+
+Seeded sampling draws with key fold_in(PRNGKey(seed), position): the same seed gives the same tokens whatever else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_BANNED = 32  # EOS + stop token ids masked while fewer than min_tokens outputs exist
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    tokens: jax.Array  # [slots, max_model_len + 1] int32: prompt then outputs; the step writes sampled tokens
+    prompt_len: jax.Array  # [slots] int32
+    min_len: jax.Array  # [slots] int32: before this many tokens, banned ids cannot be sampled
+    temperature: jax.Array  # [slots] float32; 0 = greedy
+    top_k: jax.Array  # [slots] int32; <= 0 = off
+    top_p: jax.Array  # [slots] float32
+    min_p: jax.Array  # [slots] float32
+    repetition_penalty: jax.Array  # [slots] float32
+    presence_penalty: jax.Array  # [slots] float32
+    frequency_penalty: jax.Array  # [slots] float32
+    seed: jax.Array  # [slots] uint32
+    banned: jax.Array  # [slots, MAX_BANNED] int32, -1 = unused
+    bias_ids: jax.Array  # [slots, MAX_LOGIT_BIAS] int32, -1 = unused
+    bias_values: jax.Array  # [slots, MAX_LOGIT_BIAS] float32
+
+    @classmethod
+    def zeros(cls, num_slots: int, max_len: int) -> "SlotState":
+        f = lambda: jnp.zeros((num_slots,), jnp.float32)  # noqa: E731
+        return cls(jnp.zeros((num_slots, max_len + 1), jnp.int32), jnp.zeros((num_slots,), jnp.int32),
+                   jnp.zeros((num_slots,), jnp.int32), f(), jnp.zeros((num_slots,), jnp.int32), f() + 1, f(),
+                   f() + 1, f(), f(), jnp.zeros((num_slots,), jnp.uint32),
+                   jnp.full((num_slots, MAX_BANNED), -1, jnp.int32),
+                   jnp.full((num_slots, MAX_LOGIT_BIAS), -1, jnp.int32),
+                   jnp.zeros((num_slots, MAX_LOGIT_BIAS), jnp.float32))
+
+
+def slot_row(token_ids, num_prompt_tokens: int, params: SamplingParams, seed: int, eos_ids, max_len: int) -> dict:
+    """The numpy values `assign_slot` writes for one sequence (built on the host, sent once)."""
+    tokens = np.zeros(max_len + 1, np.int32)
+    tokens[:len(token_ids)] = token_ids
+    banned = np.full(MAX_BANNED, -1, np.int32)
+    ban = ([] if params.ignore_eos else list(eos_ids)) + list(params.stop_token_ids)
+    banned[:min(len(ban), MAX_BANNED)] = ban[:MAX_BANNED]
+    bias_ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+    bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for i, (tok, value) in enumerate(params.logit_bias):
+        bias_ids[i], bias_values[i] = tok, value
+    return dict(tokens=tokens, prompt_len=np.int32(num_prompt_tokens),
+                min_len=np.int32(num_prompt_tokens + params.min_tokens),
+                temperature=np.float32(params.temperature), top_k=np.int32(params.top_k),
+                top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
+                repetition_penalty=np.float32(params.repetition_penalty),
+                presence_penalty=np.float32(params.presence_penalty),
+                frequency_penalty=np.float32(params.frequency_penalty), seed=np.uint32(seed), banned=banned,
+                bias_ids=bias_ids, bias_values=bias_values)
+
+
+def assign_slot(state: SlotState, slot: jax.Array, row: dict) -> SlotState:
+    """Writes one slot's row (jit with the state donated)."""
+    return SlotState(**{name: getattr(state, name).at[slot].set(value) for name, value in row.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingFlags:
+    """Which optional stages any row of a step needs; the others are skipped at run time (lax.cond)."""
+
+    random: bool = False
+    filters: bool = False  # top-k / top-p / min-p
+    penalties: bool = False
+    bias: bool = False  # logit_bias or min_tokens masking
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+    def as_array(self) -> np.ndarray:
+        return np.array(dataclasses.astuple(self), dtype=bool)
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "SamplingFlags":
+        return cls(random=params.temperature > 0,
+                   filters=params.temperature > 0 and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0),
+                   penalties=(params.repetition_penalty != 1 or params.presence_penalty != 0
+                              or params.frequency_penalty != 0),
+                   bias=bool(params.logit_bias) or params.min_tokens > 0,
+                   logprobs=params.logprobs is not None,
+                   prompt_logprobs=params.prompt_logprobs is not None)
+
+    def __or__(self, other: "SamplingFlags") -> "SamplingFlags":
+        return SamplingFlags(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+FLAG_RANDOM, FLAG_FILTERS, FLAG_PENALTIES, FLAG_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS = range(6)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+    tokens: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S] float32: log-probability of the sampled token under the model
+    top_ids: jax.Array  # [S, MAX_TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [S, MAX_TOP_LOGPROBS] float32
+
+
+def sample(logits: jax.Array, state: SlotState, slots: jax.Array, positions: jax.Array,
+           flags: jax.Array) -> SampleOutput:
+    """logits [S, V] float32 for the rows' slots [S]; positions [S] is where each sampled token will go."""
+    raw = logits
+    logits = jax.lax.cond(flags[FLAG_BIAS], _apply_bias, lambda lg, *_: lg, logits, state, slots, positions)
+    logits = jax.lax.cond(flags[FLAG_PENALTIES], _apply_penalties, lambda lg, *_: lg, logits, state, slots,
+                          positions)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(flags[FLAG_RANDOM], _sample_random, lambda lg, *_: greedy, logits, state, slots,
+                          positions, flags[FLAG_FILTERS], greedy)
+    s = logits.shape[0]
+    empty = SampleOutput(tokens, jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_TOP_LOGPROBS), jnp.int32),
+                         jnp.zeros((s, MAX_TOP_LOGPROBS), jnp.float32))
+    return jax.lax.cond(flags[FLAG_LOGPROBS], lambda: _with_logprobs(raw, tokens), lambda: empty)
+
+
+def _with_logprobs(raw: jax.Array, tokens: jax.Array) -> SampleOutput:
+    lp = jax.nn.log_softmax(raw, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def _apply_bias(logits, state: SlotState, slots, positions):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = state.bias_ids[slots]
+    logits = logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].add(state.bias_values[slots], mode="drop")
+    banned = state.banned[slots]
+    too_early = (positions < state.min_len[slots])[:, None] & (banned >= 0)
+    return logits.at[rows, jnp.where(too_early, banned, logits.shape[1])].set(-jnp.inf, mode="drop")
+
+
+def _apply_penalties(logits, state: SlotState, slots, positions):
+    """Repetition penalty over prompt + output; presence and frequency penalties over the output (vLLM's rules)."""
+    history = state.tokens[slots]  # [S, L + 1]
+    pos = jnp.arange(history.shape[1])[None, :]
+    seen = pos < positions[:, None]
+    is_output = seen & (pos >= state.prompt_len[slots][:, None])
+    rows = jnp.arange(logits.shape[0])[:, None]
+    out_counts = jnp.zeros(logits.shape, jnp.float32).at[rows, history].add(is_output.astype(jnp.float32))
+    any_seen = jnp.zeros(logits.shape, jnp.float32).at[rows, history].add(seen.astype(jnp.float32)) > 0
+    rep = state.repetition_penalty[slots][:, None]
+    logits = jnp.where(any_seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - state.frequency_penalty[slots][:, None] * out_counts
+    return logits - state.presence_penalty[slots][:, None] * (out_counts > 0)
+
+
+def _sample_random(logits, state: SlotState, slots, positions, use_filters, greedy):
+    temperature = state.temperature[slots]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = jax.lax.cond(use_filters, _filter, lambda lg, *_: lg, scaled, state, slots)
+    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[slots], positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[1],), jnp.float32))(keys)
+    drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _filter(scaled, state: SlotState, slots):
+    """top-k, then top-p on what is left, then min-p; masked logits become -inf."""
+    vocab = scaled.shape[1]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = state.top_k[slots]
+    k = jnp.where((k <= 0) | (k > vocab), vocab, k)
+    rank = jnp.arange(vocab)[None, :]
+    desc = jnp.where(rank < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < state.top_p[slots][:, None]) & (probs >= state.min_p[slots][:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)
+    num_keep = jnp.sum(keep & (rank < k[:, None]), axis=-1)
+    threshold = jnp.take_along_axis(desc, (num_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)

@@ -1,0 +1,225 @@
+"""Engine: batched, bucketed, paged output equals the unbatched reference; seeds; preemption; aborts; no recompiles."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.models.llama import random_model
+from jaxserve.sampling_params import SamplingParams
+
+MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                    dtype="float32")
+ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=384,
+                      decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(16, 64), prefill_seq_buckets=(4, 8),
+                      context_buckets=(128, 384), kv_cache_memory=2**22, xla_optimization_level=0,
+                      compilation_cache_dir="")
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A random model with weights large enough that greedy choices are far from ties."""
+    m = random_model(MODEL, jnp.float32, seed=0)
+    state = nnx.state(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda w: w * 8 if w.ndim >= 2 else w, state))
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return LLMEngine(model, ENGINE, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy continuation by full recomputation of one unpadded sequence at a time (no cache, no batching)."""
+    forward = jax.jit(lambda tokens: model.forward_dense(tokens[None])[0])
+    cache = {}
+
+    def continue_greedy(prompt, num_tokens):
+        key = (tuple(prompt), num_tokens)
+        if key not in cache:
+            tokens = list(prompt)
+            for _ in range(num_tokens):
+                padded = np.zeros(ENGINE.max_model_len, np.int32)
+                padded[:len(tokens)] = tokens
+                tokens.append(int(jnp.argmax(forward(padded)[len(tokens) - 1])))
+            cache[key] = tokens[len(prompt):]
+        return cache[key]
+
+    return continue_greedy
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def run_staggered(engine, requests, per_step=3, on_step=None):
+    """Adds `per_step` requests before each step, then steps to the end. Returns final outputs by id."""
+    pending, finals = list(requests), {}
+    while pending or engine.has_unfinished_requests():
+        for request_id, prompt, params in pending[:per_step]:
+            engine.add_request(request_id, prompt, params)
+        pending = pending[per_step:]
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        if on_step:
+            on_step()
+    return finals
+
+
+def mixed_prompts(seed, count, max_len=300):
+    rng = np.random.default_rng(seed)
+    lengths = [1, max_len] + rng.integers(1, max_len, count - 2).tolist()
+    return [rng.integers(0, MODEL.vocab_size, n).tolist() for n in lengths]
+
+
+def test_batched_paged_greedy_equals_unbatched_reference(engine, reference):
+    prompts = mixed_prompts(0, 32)
+    requests = [(f"r{i}", p, greedy(1 + i % 12)) for i, p in enumerate(prompts)]
+    finals = run_staggered(engine, requests, on_step=engine.scheduler.check_invariants)
+    for request_id, prompt, params in requests:
+        got = finals[request_id].outputs[0]
+        assert got.token_ids == reference(prompt, params.max_tokens), request_id
+        assert got.finish_reason == "length"
+    assert engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_seeded_sampling_ignores_batch_composition(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = list(range(5, 40))
+    alone = run_staggered(engine, [("alone", prompt, params)])["alone"].outputs[0].token_ids
+    crowd = [(f"c{i}", p, SamplingParams(temperature=1.0, max_tokens=8, seed=i, ignore_eos=True))
+             for i, p in enumerate(mixed_prompts(1, 6, 100))]
+    crowded = run_staggered(engine, crowd[:3] + [("crowded", prompt, params)] + crowd[3:])
+    assert crowded["crowded"].outputs[0].token_ids == alone
+    assert len(set(alone)) > 1
+
+
+def test_unseeded_sampling_differs_between_requests(engine):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    finals = run_staggered(engine, [("u1", [1, 2, 3], params), ("u2", [1, 2, 3], params)])
+    assert finals["u1"].outputs[0].token_ids != finals["u2"].outputs[0].token_ids
+
+
+def test_preemption_gives_the_same_outputs(model, reference):
+    small = ENGINE.replace(kv_cache_memory=60 * 8 * 2 * 2 * 2 * 16 * 4)  # 60 pages: far fewer than 8 x 384 tokens
+    engine = LLMEngine(model, small, show_progress=False)
+    prompts = mixed_prompts(2, 10, 120)
+    requests = [(f"p{i}", p, greedy(24)) for i, p in enumerate(prompts)]
+    finals = run_staggered(engine, requests, per_step=10, on_step=engine.scheduler.check_invariants)
+    assert engine.scheduler.num_preemptions > 0
+    for request_id, prompt, params in requests:
+        assert finals[request_id].outputs[0].token_ids == reference(prompt, 24), request_id
+    assert engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_random_aborts_keep_invariants_and_free_every_page(engine):
+    rng = random.Random(0)
+    prompts = mixed_prompts(3, 24, 200)
+    live = []
+    for step in range(200):
+        if prompts and rng.random() < 0.5:
+            request_id = f"a{step}"
+            n = rng.choice([1, 1, 2])
+            engine.add_request(request_id, prompts.pop(), SamplingParams(n=n, max_tokens=rng.randint(1, 30),
+                                                                         ignore_eos=True, temperature=0.7))
+            live.append(request_id)
+        if live and rng.random() < 0.2:
+            output = engine.abort_request(live.pop(rng.randrange(len(live))))
+            assert output is None or all(o.finish_reason is not None for o in output.outputs)
+        engine.step()
+        engine.scheduler.check_invariants()
+        if not prompts and not engine.has_unfinished_requests():
+            break
+    engine.run_until_done()
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.allocator.num_used_pages == 0
+    assert not engine.requests
+
+
+def test_mixed_traffic_never_compiles(engine):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None)
+    run_staggered(engine, [("warm", [1, 2, 3], greedy(2))])  # first use of the slot-assign function
+    before = len(compiles)
+    prompts = mixed_prompts(4, 16, 300)
+    requests = [(f"m{i}", p, SamplingParams(n=1 + i % 2, temperature=i % 3 * 0.5, top_k=i % 4 * 10,
+                                            max_tokens=1 + i % 9, ignore_eos=True, logprobs=i % 2 * 3,
+                                            repetition_penalty=1.2 if i % 5 == 0 else 1.0))
+                for i, p in enumerate(prompts)]
+    run_staggered(engine, requests, per_step=2)
+    assert len(compiles) == before
+
+
+def test_steps_update_the_cache_in_place(engine):
+    kv = engine.runner.kv
+    cache_type = f"f32[{','.join(map(str, kv.k.shape))}]"
+    for shape, executable in engine.runner.model_executables.items():
+        analysis = executable.memory_analysis()
+        assert analysis.alias_size_in_bytes >= engine.kv_plan.cache_bytes, shape  # donated cache = output cache
+        copies = [line for line in executable.as_text().splitlines()
+                  if re.search(rf"= {re.escape(cache_type)}\S* copy(-start)?\(", line)]
+        assert not copies, (shape, copies)  # the scatter into the scanned cache happens in place
+
+
+def test_logprobs_are_normalised_and_include_the_sampled_token(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
+    out = run_staggered(engine, [("lp", [7, 8, 9], params)])["lp"].outputs[0]
+    assert len(out.logprobs) == 4
+    for entry in out.logprobs:
+        assert len(entry.top) == 5 and entry.top[0][0] == entry.token_id  # greedy: the best token
+        assert entry.logprob == pytest.approx(entry.top[0][1], abs=1e-5)
+        assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:]))
+
+
+def test_prompt_logprobs_match_the_reference_forward(engine, model):
+    prompt = mixed_prompts(5, 3, 90)[2]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, ignore_eos=True)
+    out = run_staggered(engine, [("plp", prompt, params)])["plp"]
+    lp = jax.nn.log_softmax(model.forward_dense(jnp.array([prompt]))[0], axis=-1)
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert entry.token_id == prompt[pos]
+        assert entry.logprob == pytest.approx(float(lp[pos - 1, prompt[pos]]), abs=1e-4)
+        assert len(entry.top) == 2
+
+
+def test_n_samples_share_a_prompt_and_differ(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    out = run_staggered(engine, [("n", list(range(1, 50)), params)])["n"]
+    samples = [o.token_ids for o in out.outputs]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(s) == 10 for s in samples) and len({tuple(s) for s in samples}) == 3
+
+
+def test_penalties_bias_and_min_tokens(engine, reference):
+    prompt = [11, 12, 13, 14]
+    plain = reference(prompt, 6)
+    biased = run_staggered(engine, [("b", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                 logit_bias={plain[0]: -100.0, 99: 100.0}))])
+    assert biased["b"].outputs[0].token_ids == [99] * 6
+    rep = run_staggered(engine, [("r", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                              frequency_penalty=2.0, presence_penalty=2.0))])
+    tokens = rep["r"].outputs[0].token_ids
+    assert max(tokens.count(t) for t in set(tokens)) <= 3  # heavy penalties spread the choices
+    engine.scheduler.eos_token_ids, engine.eos_token_ids = frozenset({plain[0]}), (plain[0],)
+    try:
+        stopped = run_staggered(engine, [("e", prompt, SamplingParams(temperature=0.0, max_tokens=6))])
+        held = run_staggered(engine, [("m", prompt, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3))])
+    finally:
+        engine.scheduler.eos_token_ids, engine.eos_token_ids = frozenset(), ()
+    assert stopped["e"].outputs[0].token_ids == [plain[0]] and stopped["e"].outputs[0].finish_reason == "stop"
+    assert len(held["m"].outputs[0].token_ids) >= 3
