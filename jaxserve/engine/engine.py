@@ -109,11 +109,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> RequestState:
-        """Validates and queues a request. Raises ValueError with a message fit for a 400 response."""
+                    arrival_time: float | None = None, priority: int = 0,
+                    prompt_text: str | None = None) -> RequestState:
+        """Validates and queues a request. Raises ValueError with a message fit for a 400 response.
+        `prompt` is text or token ids; with ids, `prompt_text` is the text they came from (for outputs)."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        text, prompt_ids = self._tokenize(prompt)
+        prompt_text = text if prompt_text is None else prompt_text
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
