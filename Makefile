@@ -1,0 +1,36 @@
+# The two commands of the README. Both set everything up first (a .venv with Python 3.12 and the pinned
+# development versions, e.g. jax 0.11.2); rerunning them skips what is already installed.
+#
+#   make test     install, then run the test suite (what CI runs: .ci/run)
+#   make serve    install, then serve the bundled demo model on http://127.0.0.1:8000
+#
+# Others: make test-slow (the slow tests too), make bench-cpu, make clean.
+
+PYTHON ?= $(shell command -v python3.12 2>/dev/null || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: test test-slow serve bench-cpu clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"jaxserve needs Python >= 3.12 (JAX >= 0.11 does); $(PYTHON) is {sys.version.split()[0]}. Set PYTHON=/path/to/python3.12"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c requirements-dev.txt -e '.[test,train]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+serve: $(STAMP)
+	$(VENV)/bin/jaxserve serve
+
+bench-cpu: $(STAMP)
+	$(PY) bench/offline_throughput.py --preset small --batch-sizes 1 16 64
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Offline throughput of the engine, and how close its decode step comes to this machine's floor.
+
+For each batch size N: N requests of random-token prompts (input-len tokens) each generating exactly output-len
+tokens (EOS ignored, greedy), all submitted at once. Reports output and total tokens/s, the mean decode step time,
+and, measured in the same run, the bare weight matmuls of one decode step at that batch (the floor: every weight
+read once, no attention, no sampling, no host work), the ratio between the two, and the share of wall time the
+device sat idle waiting for the host.
+
+    python bench/offline_throughput.py --preset small --batch-sizes 1 16 64
+    python bench/offline_throughput.py --model checkpoints/demo --batch-sizes 8
+    python bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 256 --out e2e.json   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
+from jaxserve.engine.engine import LLMEngine, resolve_dtype
+from jaxserve.models.llama import numpy_dtype, random_model
+from jaxserve.sampling_params import SamplingParams
+
+PRESETS = {
+    # the peers' random Llamas (../shared/peers/make_models.py)
+    "tiny": dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2),
+    "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+                  num_kv_heads=4),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, rope=RopeConfig(theta=500000.0)),
+}
+
+
+def preset_config(name: str, dtype: str) -> ModelConfig:
+    spec = dict(PRESETS[name])
+    spec.setdefault("rope", RopeConfig())
+    return ModelConfig(architecture="LlamaForCausalLM", head_dim=spec["hidden_size"] // spec["num_heads"],
+                       max_position_embeddings=8192, dtype=dtype, **spec)
+
+
+def build_engine(args) -> LLMEngine:
+    options = dict(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.input_len + args.output_len, **json.loads(args.engine_args))
+    config = EngineConfig(**options)
+    if args.model:
+        return LLMEngine.from_model_dir(args.model, config)
+    cfg = preset_config(args.preset, args.dtype)
+    model = random_model(cfg, numpy_dtype(resolve_dtype(config.dtype, args.dtype)), seed=0)
+    return LLMEngine(model, config)
+
+
+def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20) -> float:
+    """Seconds for one decode step's weight matmuls alone: x[batch] through every projection and the LM head."""
+    params = engine.runner.params
+    layers = params["layers"]
+    names = ["wq", "wk", "wv", "w_gate", "w_up"]
+
+    def step(x):
+        def one_layer(x, w):
+            outs = [jnp.einsum("be,e...->b...", x, w[n][...], preferred_element_type=jnp.float32) for n in names]
+            attn = jnp.einsum("bhd,hde->be", outs[0].astype(x.dtype), w["wo"][...],
+                              preferred_element_type=jnp.float32)
+            mlp = jnp.einsum("bf,fe->be", (outs[3] * outs[4]).astype(x.dtype), w["w_down"][...],
+                             preferred_element_type=jnp.float32)
+            return (x + attn + mlp + outs[1].sum() + outs[2].sum()).astype(x.dtype), None
+
+        x, _ = jax.lax.scan(one_layer, x, layers)
+        head = params["lm_head"][...] if "lm_head" in params else params["embed"][...].T
+        return jnp.einsum("be,ev->bv", x, head, preferred_element_type=jnp.float32)
+
+    dtype = params["embed"][...].dtype
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, engine.model_config.hidden_size)), dtype)
+    fn = jax.jit(step)
+    fn(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_batch(engine: LLMEngine, n: int, args) -> dict:
+    rng = np.random.default_rng(n)
+    vocab = engine.model_config.vocab_size
+    prompts = [rng.integers(3, vocab, args.input_len).tolist() for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    _generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "warm")
+    first_step = engine.stats.num_steps
+    start = time.perf_counter()
+    outputs = _generate(engine, prompts, params, "run")
+    wall = time.perf_counter() - start
+    steps = list(engine.stats.steps)[-(engine.stats.num_steps - first_step):]
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == n * args.output_len
+    decode = [b.done_at - a.done_at for a, b in zip(steps, steps[1:])
+              if a.shape.kind == "decode" and b.shape.kind == "decode"]
+    step_time = statistics.mean(decode) if decode else float("nan")
+    waited = sum(s.waited for s in steps)
+    floor = weight_matmul_floor(engine, n)
+    out_tokens = n * args.output_len
+    return dict(engine="jaxserve", model=args.model or args.preset, dtype=str(engine.runner.params["embed"][...].dtype),
+                N=n, input_len=args.input_len, output_len=args.output_len, total_s=round(wall, 3),
+                out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
+                steps=len(steps), decode_steps=len(decode) + 1 if decode else 0,
+                mean_decode_step_ms=round(step_time * 1e3, 3), matmul_floor_ms=round(floor * 1e3, 3),
+                decode_vs_floor=round(step_time / floor, 3),
+                host_blocked_share=round(waited / wall, 3),
+                attention=engine.attention_impl, device=jax.devices()[0].device_kind,
+                host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def _generate(engine: LLMEngine, prompts, params, tag):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    return engine.run_until_done()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), default="small", help="random Llama of this shape")
+    src.add_argument("--model", help="a converted jaxserve checkpoint instead of a random model")
+    ap.add_argument("--dtype", default="bfloat16", help="stored weight dtype of the random model")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--engine-args", default="{}", help="JSON dict of extra EngineConfig fields")
+    ap.add_argument("--out", help="append one JSON line per batch size to this file")
+    args = ap.parse_args(argv)
+    engine = build_engine(args)
+    print(f"# {jax.devices()[0].device_kind}: compiled {engine.runner.num_executables} executables "
+          f"in {engine.compile_seconds:.1f}s", file=sys.stderr)
+    for n in args.batch_sizes:
+        record = run_batch(engine, n, args)
+        print(json.dumps(record), flush=True)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
