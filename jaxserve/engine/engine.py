@@ -73,7 +73,8 @@ class LLMEngine:
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         self.eos_token_ids = tuple(eos)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.page_size), allocator, self.eos_token_ids)
+                                                   self.max_model_len, config.page_size), allocator, self.eos_token_ids,
+                                   seed=config.seed)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._in_flight: PendingStep | None = None

@@ -102,7 +102,7 @@ class SequenceUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, eos_token_ids: Iterable[int] = (),
-                 clock=time.monotonic):
+                 clock=time.monotonic, seed: int = 0):
         self.config = config
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -115,7 +115,7 @@ class Scheduler:
         self._free_slots = list(range(config.num_slots - 1, 0, -1))
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
-        self._rng = random.Random(0)
+        self._rng = random.Random(seed)  # seeds for requests that bring none
         self.num_preemptions = 0
 
     # ---- requests -------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""`jaxserve generate`: offline generation from the command line, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxserve.cli_args import add_config_flags, config_from_args
+from jaxserve.config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "stop", "ignore_eos", "n", "min_tokens", "logprobs")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=str(DEMO_MODEL),
+                        help="a converted jaxserve checkpoint (default: the bundled demo model)")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text; repeat for several prompts, '-' reads one from stdin")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    sampling = parser.add_argument_group("sampling")
+    add_config_flags(sampling, SamplingParams, skip=tuple(f for f in SamplingParams.__dataclass_fields__
+                                                          if f not in SAMPLING_FLAGS))
+    engine = parser.add_argument_group("engine")
+    add_config_flags(engine, EngineConfig, skip=("seed",))  # --seed is the sampling seed here
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.engine.llm import LLM
+    if not (Path(args.model) / "jaxserve.json").exists():
+        print(f"error: {args.model} is not a jaxserve checkpoint; convert one with `jaxserve convert`", file=sys.stderr)
+        return 1
+    params = config_from_args(SamplingParams, args)
+    try:
+        params.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    llm = LLM(args.model, **_engine_options(args))
+    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
+    if args.chat:
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    if args.json or len(prompts) > 1 or params.n > 1:
+        for output in llm.generate(prompts, params):
+            print(json.dumps({"prompt": output.prompt, "outputs": [
+                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in output.outputs]}))
+        return 0
+    for output in llm.generate_stream(prompts, params):
+        sys.stdout.write(output.outputs[0].new_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _engine_options(args) -> dict:
+    return {k: v for k, v in vars(config_from_args(EngineConfig, args)).items()
+            if v != EngineConfig.__dataclass_fields__[k].default}
