@@ -59,7 +59,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"  # dtype the checkpoint's floating-point weights are stored in
-    quantization: str | None = None  # None | "int8" | "int4"
+    quantization: str | None = None  # None | "int8" | "int4": the decoder layers' projections (jaxserve.quant)
+    lm_head_quantization: str | None = None  # None | "int8" | "int4": the untied LM head (embeddings stay float)
 
     @property
     def family(self) -> str:

@@ -2,6 +2,10 @@
 
 Everything here runs inside Triton-style Pallas kernels (or builds their inputs) and is written for what the Pallas
 Triton lowering accepts: power-of-2 tensor sizes, equal dot operand dtypes, at least 16 dot rows, no scalar prefetch.
+
+Quantized caches: int8 pools carry scale pools [layers, kv_heads, pages, page_size] (float32, one per token and
+KV head); fp8 (e4m3) pools carry none. Tiles are converted to the query's dtype in registers; a K scale multiplies
+the logits of its key and a V scale the probability of its key (sum_c p_c (s_c v_c) = sum_c (p_c s_c) v_c).
 """
 
 from __future__ import annotations
@@ -92,19 +96,51 @@ def load_kv_tile(k_ref, v_ref, tables_ref, seq, layer, kv_head, key_pos, page_si
     return k_ref[layer, kv_head, pages, offsets, :], v_ref[layer, kv_head, pages, offsets, :]
 
 
+def load_kv_scales(ks_ref, vs_ref, tables_ref, seq, layer, kv_head, key_pos, page_size: int):
+    """The [block_k] K and V scales of keys `key_pos` (int8 caches), gathered through the pages like the tiles."""
+    pages = tables_ref[seq, div(key_pos, page_size)]
+    offsets = lax.rem(key_pos, jnp.int32(page_size))
+    return ks_ref[layer, kv_head, pages, offsets], vs_ref[layer, kv_head, pages, offsets]
+
+
+def scale_pools(k_scale, v_scale) -> tuple:
+    """() for float / fp8 caches, (k_scale, v_scale) for int8 ones (both or neither)."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale, or neither")
+    return () if k_scale is None else (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+
+
+def dequantized_pages(cache, scale, layer, block_tables):
+    """References: float32 [kv_heads, *block_tables.shape, page_size, head_dim] of one layer, scales applied."""
+    pages = cache[layer][:, block_tables].astype(jnp.float32)
+    return pages if scale is None else pages * scale[layer][:, block_tables].astype(jnp.float32)[..., None]
+
+
+def is_quantized_cache(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def compute_dtype(q_dtype, cache_dtype):
+    """The dot operand dtype: the cache's for float caches (q is cast to it), the query's for int8/fp8 caches
+    (their tiles are cast to it in registers)."""
+    return q_dtype if is_quantized_cache(cache_dtype) else cache_dtype
+
+
 def dot(a, b, trans_b: bool = False):
     """Triton dot with f32 accumulation. HIGHEST keeps float32 operands in IEEE float32: the Pallas Triton
     lowering's default precision turns a float32 dot into TF32 (10-bit mantissa); 16-bit operands are unaffected."""
     return plgpu.dot(a, b, trans_b=trans_b, precision=lax.Precision.HIGHEST)
 
 
-def online_softmax_step(logits, v, m_prev, l_prev, acc_prev):
-    """One flash-attention update. logits: [R, K] f32 in log2 units, already masked with MASK_VALUE; v: [K, D]."""
+def online_softmax_step(logits, v, m_prev, l_prev, acc_prev, v_scale=None):
+    """One flash-attention update. logits: [R, K] f32 in log2 units, already masked with MASK_VALUE; v: [K, D];
+    v_scale: [K] (int8 caches) or None."""
     m_next = jnp.maximum(m_prev, logits.max(axis=1))
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(logits - m_next[:, None])
     l_next = alpha * l_prev + p.sum(axis=1)
-    acc_next = acc_prev * alpha[:, None] + dot(p.astype(v.dtype), v)
+    pv = p if v_scale is None else p * v_scale[None, :]
+    acc_next = acc_prev * alpha[:, None] + dot(pv.astype(v.dtype), v)
     return m_next, l_next, acc_next
 
 
@@ -114,16 +150,22 @@ def softmax_init(rows: int, head_dim: int):
 
 
 def attend_tiles(q, k_ref, v_ref, tables_ref, seq, layer, kv_head, first_tile, end_tile, mask_fn, carry, *,
-                 block_k: int, page_size: int, scale_log2: float):
+                 block_k: int, page_size: int, scale_log2: float, scale_refs=None):
     """Runs the online softmax over key tiles [first_tile, end_tile) of one sequence.
 
-    q: [R, D] in the cache dtype; mask_fn(key_pos [block_k]) -> bool [R, block_k] or [1, block_k].
+    q: [R, D] in compute_dtype(q, cache); mask_fn(key_pos [block_k]) -> bool [R, block_k] or [1, block_k];
+    scale_refs: (k_scale, v_scale) pools of an int8 cache, else None.
     """
     def body(tile, state):
         key_pos = tile * block_k + lax.iota(jnp.int32, block_k)
         k, v = load_kv_tile(k_ref, v_ref, tables_ref, seq, layer, kv_head, key_pos, page_size)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # no-op for float caches; int8 / fp8 -> q's dtype
         logits = dot(q, k, trans_b=True) * scale_log2
+        v_scale = None
+        if scale_refs is not None:
+            k_scale, v_scale = load_kv_scales(*scale_refs, tables_ref, seq, layer, kv_head, key_pos, page_size)
+            logits = logits * k_scale[None, :]
         logits = jnp.where(mask_fn(key_pos), logits, MASK_VALUE)
-        return online_softmax_step(logits, v, *state)
+        return online_softmax_step(logits, v, *state, v_scale=v_scale)
 
     return lax.fori_loop(first_tile, end_tile, body, carry)

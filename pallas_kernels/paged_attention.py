@@ -2,6 +2,8 @@
 
     q            [B, H, D]                               token b sits at position context_lens[b] - 1
     cache_k/v    [layers, kv_heads, pages, page_size, D]  this step's K/V already written; page 0 is the null page
+                                                          (float, int8 or float8_e4m3fn)
+    k/v_scale    [layers, kv_heads, pages, page_size] f32 int8 caches only: per-token, per-head scales
     block_tables [B, P] int32                             page ids, 0 past a sequence's last page
     context_lens [B] int32                                0 marks a padding row: its output is zeros
     -> out       [B, H, D]
@@ -48,8 +50,9 @@ def choose_decode_config(batch: int, kv_heads: int, head_dim: int, itemsize: int
     return DecodeConfig(block_k=block_k, num_splits=num_splits, num_warps=4, num_stages=3)
 
 
-def _decode_kernel(layer_ref, tables_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
-                   block_k: int, page_size: int, num_splits: int, sliding_window: int | None):
+def _decode_kernel(layer_ref, tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, scale_log2: float,
+                   block_k: int, page_size: int, num_splits: int, sliding_window: int | None, scaled: bool):
+    scale_refs, (o_ref, lse_ref) = (refs[:2], refs[2:]) if scaled else (None, refs)
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], lens_ref[b]
     kv_start = jnp.int32(0) if sliding_window is None else jnp.maximum(length - sliding_window, 0)
@@ -62,22 +65,24 @@ def _decode_kernel(layer_ref, tables_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, 
     def mask(key_pos):
         return ((key_pos < length) & (key_pos >= kv_start))[None, :]
 
-    q = q_ref[...].astype(k_ref.dtype)
+    q = q_ref[...].astype(c.compute_dtype(q_ref.dtype, k_ref.dtype))
     m, l, acc = c.attend_tiles(q, k_ref, v_ref, tables_ref, b, layer, kv_head, lo, hi, mask,
                                c.softmax_init(q.shape[0], q.shape[1]), block_k=block_k, page_size=page_size,
-                               scale_log2=scale_log2)
+                               scale_log2=scale_log2, scale_refs=scale_refs)
     seen = l > 0  # a split past the end of the sequence (or a padding row) saw no keys
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _decode_call(qg, cache_k, cache_v, layer, tables, lens, *, scale, sliding_window, config, interpret):
-    """qg: [B, KVH, block_h, D] -> (out [B, KVH, splits, block_h, D], lse [B, KVH, splits, block_h] in log2)."""
+def _decode_call(qg, cache_k, cache_v, layer, tables, lens, *, scale, sliding_window, config, interpret,
+                 kv_scales=()):
+    """qg: [B, KVH, block_h, D] -> (out [B, KVH, splits, block_h, D], lse [B, KVH, splits, block_h] in log2).
+    kv_scales: () or the (k_scale, v_scale) pools of an int8 cache."""
     batch, kv_heads, block_h, head_dim = qg.shape
     splits = config.num_splits
     kernel = functools.partial(
         _decode_kernel, scale_log2=scale * c.LOG2_E, block_k=config.block_k, page_size=cache_k.shape[3],
-        num_splits=splits, sliding_window=sliding_window)
+        num_splits=splits, sliding_window=sliding_window, scaled=bool(kv_scales))
     out_dtype = qg.dtype if splits == 1 else jnp.float32
     return pl.pallas_call(
         kernel,
@@ -86,7 +91,7 @@ def _decode_call(qg, cache_k, cache_v, layer, tables, lens, *, scale, sliding_wi
             pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,  # layer [1], tables [B, P'], lens [B]
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
             pl.no_block_spec, pl.no_block_spec,  # the pools stay in HBM; tiles are gathered in the kernel
-        ],
+        ] + [pl.no_block_spec] * len(kv_scales),
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
@@ -96,7 +101,7 @@ def _decode_call(qg, cache_k, cache_v, layer, tables, lens, *, scale, sliding_wi
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="jaxserve_paged_attention",
-    )(layer, tables, lens, qg, cache_k, cache_v)
+    )(layer, tables, lens, qg, cache_k, cache_v, *kv_scales)
 
 
 def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
@@ -111,7 +116,7 @@ def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "config"))
 def paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale: float,
                     sliding_window: int | None = None, interpret: bool = False,
-                    config: DecodeConfig | None = None) -> jax.Array:
+                    config: DecodeConfig | None = None, k_scale=None, v_scale=None) -> jax.Array:
     """Decode attention over the paged cache (see the module docstring for shapes). Returns [B, H, D] in q.dtype."""
     batch, heads, head_dim = q.shape
     kv_heads, group = c.check_paged_inputs(heads, head_dim, cache_k, cache_v)
@@ -125,18 +130,18 @@ def paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, *, s
     tables = c.pad_block_tables(block_tables, page_size, config.block_k)
     out, lse = _decode_call(qg, cache_k, cache_v, c.layer_operand(layer), tables,
                             context_lens.astype(jnp.int32), scale=scale, sliding_window=sliding_window,
-                            config=config, interpret=interpret)
+                            config=config, interpret=interpret, kv_scales=c.scale_pools(k_scale, v_scale))
     out = out[:, :, 0] if config.num_splits == 1 else combine_splits(out, lse)
     return out[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
 
 
 def paged_attention_reference(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale: float,
-                              sliding_window: int | None = None) -> jax.Array:
+                              sliding_window: int | None = None, k_scale=None, v_scale=None) -> jax.Array:
     """Dense float32 attention of each sequence's query over all its gathered pages, masked by position."""
     batch, heads, head_dim = q.shape
     kv_heads = cache_k.shape[1]
-    keys = cache_k[layer][:, block_tables].astype(jnp.float32)  # [KVH, B, P, page_size, D]
-    values = cache_v[layer][:, block_tables].astype(jnp.float32)
+    keys = c.dequantized_pages(cache_k, k_scale, layer, block_tables)  # [KVH, B, P, page_size, D]
+    values = c.dequantized_pages(cache_v, v_scale, layer, block_tables)
     keys = keys.reshape(kv_heads, batch, -1, head_dim)  # [KVH, B, C, D]
     values = values.reshape(kv_heads, batch, -1, head_dim)
     qg = q.astype(jnp.float32).reshape(batch, kv_heads, heads // kv_heads, head_dim)

@@ -4,7 +4,8 @@
     query_start  [S + 1] int32                     cumulative new-token counts; padding sequences repeat the last
     context_lens [S] int32                         tokens in the cache per sequence (this step's already written)
     block_tables [S, P] int32                      page ids, 0 past a sequence's last page
-    cache_k/v    [layers, kv_heads, pages, page_size, D]
+    cache_k/v    [layers, kv_heads, pages, page_size, D]   float, int8 or float8_e4m3fn
+    k/v_scale    [layers, kv_heads, pages, page_size] f32  int8 caches only: per-token, per-head scales
     -> out       [T, H, D]                         zeros for tokens at or past query_start[S]
 
 Token t of sequence s sits at position context_lens[s] - (query_start[s+1] - t) and attends causally to every
@@ -77,9 +78,10 @@ def query_block_layout(query_start: jax.Array, context_lens: jax.Array, num_toke
     return seq, first, count.astype(jnp.int32), position.astype(jnp.int32)
 
 
-def _ragged_kernel(layer_ref, tables_ref, seq_ref, count_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _ragged_kernel(layer_ref, tables_ref, seq_ref, count_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
                    scale_log2: float, block_k: int, page_size: int, group_padded: int,
-                   sliding_window: int | None):
+                   sliding_window: int | None, scaled: bool):
+    scale_refs, (o_ref,) = (refs[:2], refs[2:]) if scaled else (None, refs)
     n, kv_head = pl.program_id(0), pl.program_id(1)
     layer, seq, count, first_pos = layer_ref[0], seq_ref[n], count_ref[n], pos_ref[n]
     rows = q_ref.shape[0]
@@ -93,31 +95,31 @@ def _ragged_kernel(layer_ref, tables_ref, seq_ref, count_ref, pos_ref, q_ref, k_
             visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
         return visible
 
-    q = q_ref[...].astype(k_ref.dtype)
+    q = q_ref[...].astype(c.compute_dtype(q_ref.dtype, k_ref.dtype))
     _, l, acc = c.attend_tiles(q, k_ref, v_ref, tables_ref, seq, layer, kv_head, c.div(kv_start, block_k),
                                c.cdiv(kv_end, block_k), mask, c.softmax_init(rows, q.shape[1]),
-                               block_k=block_k, page_size=page_size, scale_log2=scale_log2)
+                               block_k=block_k, page_size=page_size, scale_log2=scale_log2, scale_refs=scale_refs)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
 def _ragged_call(q_blocks, cache_k, cache_v, layer, tables, layout, *, scale, sliding_window, config,
-                 group_padded, interpret):
-    """q_blocks: [NB, KVH, rows, D] -> out [NB, KVH, rows, D]."""
+                 group_padded, interpret, kv_scales=()):
+    """q_blocks: [NB, KVH, rows, D] -> out [NB, KVH, rows, D]. kv_scales: () or an int8 cache's scale pools."""
     num_blocks, kv_heads, rows, head_dim = q_blocks.shape
     kernel = functools.partial(
         _ragged_kernel, scale_log2=scale * c.LOG2_E, block_k=config.block_k, page_size=cache_k.shape[3],
-        group_padded=group_padded, sliding_window=sliding_window)
+        group_padded=group_padded, sliding_window=sliding_window, scaled=bool(kv_scales))
     block = pl.BlockSpec((None, None, rows, head_dim), lambda n, h: (n, h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(num_blocks, kv_heads),
-        in_specs=[pl.no_block_spec] * 5 + [block, pl.no_block_spec, pl.no_block_spec],
+        in_specs=[pl.no_block_spec] * 5 + [block] + [pl.no_block_spec] * (2 + len(kv_scales)),
         out_specs=block,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
-    )(layer, tables, *layout, q_blocks, cache_k, cache_v)
+    )(layer, tables, *layout, q_blocks, cache_k, cache_v, *kv_scales)
 
 
 def _to_blocks(q, first, count, kv_heads, group_padded, block_q):
@@ -152,7 +154,7 @@ def _from_blocks(out, query_start, num_tokens, heads, block_q, group_padded):
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "config"))
 def ragged_paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, query_start, *, scale: float,
                            sliding_window: int | None = None, interpret: bool = False,
-                           config: RaggedConfig | None = None) -> jax.Array:
+                           config: RaggedConfig | None = None, k_scale=None, v_scale=None) -> jax.Array:
     """Causal attention of a ragged token batch over the paged cache (see the module docstring). [T, H, D]."""
     num_tokens, heads, head_dim = q.shape
     kv_heads, group = c.check_paged_inputs(heads, head_dim, cache_k, cache_v)
@@ -166,12 +168,13 @@ def ragged_paged_attention(q, cache_k, cache_v, layer, block_tables, context_len
     tables = c.pad_block_tables(block_tables, cache_k.shape[3], config.block_k)
     out = _ragged_call(q_blocks, cache_k, cache_v, c.layer_operand(layer), tables, (seq, count, position),
                        scale=scale, sliding_window=sliding_window, config=config, group_padded=group_padded,
-                       interpret=interpret)
+                       interpret=interpret, kv_scales=c.scale_pools(k_scale, v_scale))
     return _from_blocks(out, query_start, num_tokens, heads, config.block_q, group_padded).astype(q.dtype)
 
 
 def ragged_paged_attention_reference(q, cache_k, cache_v, layer, block_tables, context_lens, query_start, *,
-                                     scale: float, sliding_window: int | None = None) -> jax.Array:
+                                     scale: float, sliding_window: int | None = None, k_scale=None,
+                                     v_scale=None) -> jax.Array:
     """Dense float32 attention of each token over its sequence's gathered pages, masked by position."""
     num_tokens, heads, head_dim = q.shape
     num_seqs, kv_heads = block_tables.shape[0], cache_k.shape[1]
@@ -180,8 +183,9 @@ def ragged_paged_attention_reference(q, cache_k, cache_v, layer, block_tables, c
     valid = seq < num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
     q_pos = jnp.where(valid, context_lens[seq] - (query_start[seq + 1] - t), -1)  # -1: sees no key
-    keys = cache_k[layer][:, block_tables[seq]].astype(jnp.float32).reshape(kv_heads, num_tokens, -1, head_dim)
-    values = cache_v[layer][:, block_tables[seq]].astype(jnp.float32).reshape(kv_heads, num_tokens, -1, head_dim)
+    keys = c.dequantized_pages(cache_k, k_scale, layer, block_tables[seq]).reshape(kv_heads, num_tokens, -1, head_dim)
+    values = c.dequantized_pages(cache_v, v_scale, layer, block_tables[seq]).reshape(kv_heads, num_tokens, -1,
+                                                                                     head_dim)
     qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, heads // kv_heads, head_dim)
     scores = jnp.einsum("tkgd,ktcd->tkgc", qg, keys) * scale
     key_pos = jnp.arange(keys.shape[2])[None, :]

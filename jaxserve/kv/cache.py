@@ -2,7 +2,9 @@
 
 Layout (decided once, used by the XLA path and every kernel):
 
-    k, v: [layers, kv_heads, pages, page_size, head_dim]
+    k, v:              [layers, kv_heads, pages, page_size, head_dim]
+    k_scale, v_scale:  [layers, kv_heads, pages, page_size] float32, int8 caches only (one scale per token and
+                       KV head, see jaxserve.quant.kv); None otherwise
 
 A page holds `page_size` consecutive positions of one sequence for every layer and KV head. Page 0 is the null page:
 padding tokens write there and no valid block-table entry ever points at it.
@@ -23,6 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.quant.kv import SCALE_BYTES, has_scales, quantize_kv
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -31,6 +35,8 @@ class KVCache:
 
     k: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
     v: jax.Array  # [layers, kv_heads, pages, page_size, head_dim]
+    k_scale: jax.Array | None = None  # [layers, kv_heads, pages, page_size] float32 (int8 caches only)
+    v_scale: jax.Array | None = None  # [layers, kv_heads, pages, page_size] float32 (int8 caches only)
 
     @property
     def num_pages(self) -> int:
@@ -43,12 +49,32 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
               dtype) -> "KVCache":
+        """An int8 `dtype` also allocates the scale pools (ones)."""
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if not has_scales(dtype):
+            return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.ones(shape[:-1], jnp.float32),
+                   jnp.ones(shape[:-1], jnp.float32))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int,
+                        scale_bytes: int = 0) -> int:
+        return 2 * num_layers * num_kv_heads * (head_dim * itemsize + scale_bytes)
+
+    @staticmethod
+    def scale_bytes(dtype) -> int:
+        """Bytes of scale per token, KV head and K/V: 4 for int8 caches, else 0."""
+        return SCALE_BYTES if has_scales(dtype) else 0
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "KVCache":
+        """Quantizes (for int8/fp8 caches) and scatters new K/V [T, kv_heads, head_dim]; see write_kv."""
+        k_values, k_scale = quantize_kv(k, self.k.dtype)
+        v_values, v_scale = quantize_kv(v, self.v.dtype)
+        cache_k, cache_v = write_kv(self.k, self.v, layer, k_values, v_values, slot_mapping)
+        if self.k_scale is None:
+            return KVCache(cache_k, cache_v)
+        scale_k, scale_v = write_kv(self.k_scale, self.v_scale, layer, k_scale, v_scale, slot_mapping)
+        return KVCache(cache_k, cache_v, scale_k, scale_v)
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +121,7 @@ def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Ar
     """Scatters new K/V [T, kv_heads, head_dim] into layer `layer` at flat slots [T] (in place when donated).
 
     The indexed view `cache[layer, :, pages, offsets]` has shape [T, kv_heads, head_dim] (advanced indices first).
+    Also used for the scale pools: [layers, kv_heads, pages, page_size] with values [T, kv_heads].
     """
     page_size = cache_k.shape[3]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size

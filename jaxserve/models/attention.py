@@ -2,6 +2,9 @@
 
 One dispatch (`impl`): "xla" runs the jnp implementation below everywhere; "pallas" runs the kernels in
 `pallas_kernels` (compiled for GPU, interpreted on CPU). The engine resolves "auto" before tracing.
+
+Quantized caches (int8 with per-token scales, fp8; jaxserve.quant.kv) are dequantized on load by both paths:
+the cache values are cast to the query dtype, K's scales multiply the logits and V's the probabilities.
 """
 
 from __future__ import annotations
@@ -11,39 +14,51 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kv.cache import AttentionMetadata, write_kv
+from jaxserve.kv.cache import AttentionMetadata, KVCache
 
 XLA_QUERY_BLOCK = 16  # query tokens per block in the ragged XLA path
+
+
+def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
+                 meta: AttentionMetadata, *, sliding_window: int | None, impl: str) -> tuple[jax.Array, KVCache]:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Writes k, v (quantizing them for an int8/fp8
+    cache), then attends. Returns (out [T, heads, head_dim], the updated cache)."""
+    cache = cache.write(layer, k, v, meta.slot_mapping)
+    scale = q.shape[-1] ** -0.5
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if impl == "pallas":
+        out = _pallas_attention(q, cache, layer, meta, scale, sliding_window)
+    elif impl == "xla":
+        if meta.is_decode:
+            out = decode_attention_xla(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
+                                       scale=scale, sliding_window=sliding_window, **scales)
+        else:
+            out = ragged_attention_xla(q, cache.k, cache.v, layer, meta, scale=scale, sliding_window=sliding_window,
+                                       **scales)
+    else:
+        raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
+    return out.astype(q.dtype), cache
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                     layer: jax.Array, meta: AttentionMetadata, *, sliding_window: int | None, impl: str,
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns (out [T, heads, head_dim], cache_k, cache_v)."""
-    cache_k, cache_v = write_kv(cache_k, cache_v, layer, k, v, meta.slot_mapping)
-    scale = q.shape[-1] ** -0.5
-    if impl == "pallas":
-        out = _pallas_attention(q, cache_k, cache_v, layer, meta, scale, sliding_window)
-    elif impl == "xla":
-        if meta.is_decode:
-            out = decode_attention_xla(q, cache_k, cache_v, layer, meta.block_tables, meta.context_lens,
-                                       scale=scale, sliding_window=sliding_window)
-        else:
-            out = ragged_attention_xla(q, cache_k, cache_v, layer, meta, scale=scale, sliding_window=sliding_window)
-    else:
-        raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
-    return out.astype(q.dtype), cache_k, cache_v
+    """attend_paged on a float cache given as two pools. Returns (out [T, heads, head_dim], cache_k, cache_v)."""
+    out, cache = attend_paged(q, k, v, KVCache(cache_k, cache_v), layer, meta, sliding_window=sliding_window,
+                              impl=impl)
+    return out, cache.k, cache.v
 
 
-def _pallas_attention(q, cache_k, cache_v, layer, meta, scale, sliding_window):
+def _pallas_attention(q, cache: KVCache, layer, meta, scale, sliding_window):
     from pallas_kernels import paged_attention as pa, ragged_paged_attention as rpa
     interpret = jax.default_backend() != "gpu"
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     if meta.is_decode:
-        return pa.paged_attention(q, cache_k, cache_v, layer, meta.block_tables, meta.context_lens, scale=scale,
-                                  sliding_window=sliding_window, interpret=interpret)
-    return rpa.ragged_paged_attention(q, cache_k, cache_v, layer, meta.block_tables, meta.context_lens,
+        return pa.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, scale=scale,
+                                  sliding_window=sliding_window, interpret=interpret, **scales)
+    return rpa.ragged_paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
                                       meta.query_start, scale=scale, sliding_window=sliding_window,
-                                      interpret=interpret)
+                                      interpret=interpret, **scales)
 
 
 def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -53,27 +68,45 @@ def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -
     return pages.transpose(0, 2, 1, 3, 4).reshape(n, kvh, p * ps, d)
 
 
-def _masked_softmax_attend(scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str) -> jax.Array:
+def _gather_scales(scale: jax.Array | None, layer: jax.Array, block_tables: jax.Array) -> jax.Array | None:
+    """[N, P] page ids -> [N, kv_heads, P * page_size] per-token scales of one layer (None for unscaled caches)."""
+    if scale is None:
+        return None
+    pages = scale[layer, :, block_tables]  # [N, P, kv_heads, page_size]
+    n, p, kvh, ps = pages.shape
+    return pages.transpose(0, 2, 1, 3).reshape(n, kvh, p * ps)
+
+
+def _masked_softmax_attend(scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str,
+                           value_scale: jax.Array | None = None) -> jax.Array:
+    """value_scale (int8 caches) multiplies each key's probability: sum_c p_c (s_c v_c) = sum_c (p_c s_c) v_c."""
     scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask, probs, 0.0)  # rows with no valid key (padding) give zeros, not NaN
+    if value_scale is not None:
+        probs = probs * value_scale
     return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
 
-def decode_attention_xla(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale, sliding_window):
-    """One query per sequence. q: [B, heads, head_dim] -> [B, heads, head_dim]."""
+def decode_attention_xla(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale, sliding_window,
+                         k_scale=None, v_scale=None):
+    """One query per sequence. q: [B, heads, head_dim] -> [B, heads, head_dim]. k_scale, v_scale: the int8
+    cache's scale pools [layers, kv_heads, pages, page_size] (None for float caches)."""
     b, h, d = q.shape
     kvh = cache_k.shape[1]
-    keys = _gather_pages(cache_k, layer, block_tables)  # [B, kvh, C, d]
-    values = _gather_pages(cache_v, layer, block_tables)
+    keys = _gather_pages(cache_k, layer, block_tables).astype(q.dtype)  # [B, kvh, C, d]
+    values = _gather_pages(cache_v, layer, block_tables).astype(q.dtype)
     qg = q.reshape(b, kvh, h // kvh, d)
     scores = jnp.einsum("bkgd,bkcd->bkgc", qg, keys, preferred_element_type=jnp.float32) * scale
+    ks, vs = _gather_scales(k_scale, layer, block_tables), _gather_scales(v_scale, layer, block_tables)
+    if ks is not None:
+        scores, vs = scores * ks[:, :, None, :], vs[:, :, None, :]
     key_pos = jnp.arange(keys.shape[2])[None, :]
     q_pos = (context_lens - 1)[:, None]
     mask = key_pos <= q_pos
     if sliding_window is not None:
         mask &= key_pos > q_pos - sliding_window
-    out = _masked_softmax_attend(scores, mask[:, None, None, :], values, "bkgc,bkcd->bkgd")
+    out = _masked_softmax_attend(scores, mask[:, None, None, :], values, "bkgc,bkcd->bkgd", vs)
     return out.reshape(b, h, d)
 
 
@@ -99,7 +132,7 @@ def query_blocks(query_start: jax.Array, num_tokens: int, block: int):
 
 
 def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *, scale, sliding_window,
-                         block: int = XLA_QUERY_BLOCK):
+                         block: int = XLA_QUERY_BLOCK, k_scale=None, v_scale=None):
     """Any mix of prompt chunks and decode tokens. q: [T, heads, head_dim] -> [T, heads, head_dim]."""
     t, h, d = q.shape
     kvh = cache_k.shape[1]
@@ -111,16 +144,19 @@ def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *,
     qb = q[tok_c].reshape(-1, block, kvh, h // kvh, d)  # [NB, block, kvh, g, d]
     q_pos = jnp.where(tok_valid, meta.positions[tok_c], -1)  # -1: attends to nothing
     s = jnp.minimum(seq, num_seqs - 1)
-    keys = _gather_pages(cache_k, layer, meta.block_tables[s])  # [NB, kvh, C, d]
-    values = _gather_pages(cache_v, layer, meta.block_tables[s])
+    keys = _gather_pages(cache_k, layer, meta.block_tables[s]).astype(q.dtype)  # [NB, kvh, C, d]
+    values = _gather_pages(cache_v, layer, meta.block_tables[s]).astype(q.dtype)
     scores = jnp.einsum("nqkgd,nkcd->nkgqc", qb, keys, preferred_element_type=jnp.float32) * scale
+    ks, vs = (_gather_scales(scale_pool, layer, meta.block_tables[s]) for scale_pool in (k_scale, v_scale))
+    if ks is not None:
+        scores, vs = scores * ks[:, :, None, None, :], vs[:, :, None, None, :]
     key_pos = jnp.arange(keys.shape[2])[None, None, :]
     mask = key_pos <= q_pos[:, :, None]  # [NB, block, C]
     if sliding_window is not None:
         mask &= key_pos > q_pos[:, :, None] - sliding_window
     # Produce [NB, kvh, g, block, d] and transpose after: XLA:CPU has no bf16 x bf16 -> f32 dot that writes the
     # transposed "nqkgd" layout directly (UNIMPLEMENTED ... DotThunk::Execute), so bfloat16 prefill failed on CPU.
-    out = _masked_softmax_attend(scores, mask[:, None, None, :, :], values, "nkgqc,nkcd->nkgqd")
+    out = _masked_softmax_attend(scores, mask[:, None, None, :, :], values, "nkgqc,nkcd->nkgqd", vs)
     out = out.transpose(0, 3, 1, 2, 4).reshape(-1, h, d)
     dest = jnp.where(tok_valid, tok, t).reshape(-1)  # invalid rows go out of bounds and are dropped
     return jnp.zeros((t, h, d), out.dtype).at[dest].set(out, mode="drop")

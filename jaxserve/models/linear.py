@@ -1,12 +1,73 @@
-"""The dense product every projection goes through, so that quantized weights plug in at one place."""
+"""The dense product every projection goes through, so that quantized weights plug in at one place.
+
+    dense(x, weight, "...te,ehd->...thd", impl=...)    weight: a float Param (or array), or a QuantizedWeight
+
+A float weight is one einsum. A QuantizedWeight (int8 / int4, layouts in `jaxserve.quant.schemes`) is multiplied
+as a matrix: x's trailing `contract` dims are flattened to K, the weight is viewed as [K, N] (free reshapes),
+and `impl` picks the kernel like attention's dispatch: "pallas" runs `pallas_kernels.quant_matmul` (compiled on
+GPU, interpreted elsewhere), "xla" the jnp path. The engine resolves "auto" before tracing.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.quant import schemes
+from jaxserve.quant.schemes import QuantizedLayout
 
 
-def dense(x: jax.Array, weight, spec: str, out_dtype=None) -> jax.Array:
+class QuantizedWeight(nnx.Module):
+    """A weight-only quantized weight: integer `values` and float32 `scales` (kept float32 when the model loads
+    in bfloat16: `keep_dtype`). `scheme` and `contract` are static. In DecoderLayers both arrays are stacked
+    [layers, ...]; inside the layer scan `dense` sees one layer's slice."""
+
+    def __init__(self, values: jax.Array, scales: jax.Array, layout: QuantizedLayout, scheme: str, contract: int):
+        self.values = nnx.Param(values, axes=layout.values_axes)
+        self.scales = nnx.Param(scales, axes=layout.scales_axes, keep_dtype=True)
+        self.scheme = scheme
+        self.contract = contract
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight (one layer's slice), e.g. for tests and the unquantized comparison."""
+        return schemes.dequantize(self.values[...], self.scales[...], self.contract, self.scheme, dtype)
+
+
+def dense(x: jax.Array, weight, spec: str, out_dtype=None, impl: str = "xla") -> jax.Array:
     """einsum(spec, x, weight) accumulated in float32, returned in `out_dtype` (default: x's dtype)."""
-    out = jnp.einsum(spec, x, weight[...], preferred_element_type=jnp.float32)
+    if isinstance(weight, QuantizedWeight):
+        out = _quantized_dense(x, weight, spec, impl)
+    else:
+        out = jnp.einsum(spec, x, weight[...], preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
+
+
+def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, impl: str) -> jax.Array:
+    contract = weight.contract
+    check_matrix_spec(spec, contract)
+    values, scales = schemes.matrix(weight.values[...], weight.scales[...], contract, weight.scheme)
+    k = values.shape[0] * (2 if weight.scheme == "int4" else 1)
+    out_dims = weight.scales.shape if weight.scheme == "int8" else weight.scales.shape[1:]
+    out = quantized_matmul(x.reshape(-1, k), values, scales, weight.scheme, impl)
+    return out.reshape(x.shape[:x.ndim - contract] + tuple(out_dims))
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, scheme: str, impl: str) -> jax.Array:
+    """x [M, K] @ quantized [K, N] (matrix views) -> [M, N] float32 through the `impl` dispatch."""
+    if impl == "pallas":
+        from pallas_kernels import quant_matmul as qm
+        return qm.quant_matmul(x, values, scales, scheme=scheme, interpret=jax.default_backend() != "gpu")
+    if impl == "xla":
+        return schemes.xla_matmul(x, values, scales, scheme)
+    raise ValueError(f"matmul impl must be 'xla' or 'pallas', got {impl!r}")
+
+
+def check_matrix_spec(spec: str, contract: int) -> None:
+    """A quantized weight multiplies as a matrix: x's last `contract` dims against the weight's first ones."""
+    inputs, out = spec.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    lhs, out = lhs.removeprefix("..."), out.removeprefix("...")
+    if rhs[:contract] != lhs[len(lhs) - contract:] or out != lhs[:len(lhs) - contract] + rhs[contract:]:
+        raise ValueError(f"quantized dense needs x[..., K dims] @ w[K dims, N dims]; {spec!r} with {contract} "
+                         f"contraction dims is not of that form")

@@ -6,13 +6,19 @@ under `jax.lax.scan`, so compile time does not grow with depth.
 
 Forward contract (pure; the engine wraps it in jit with the cache donated):
 
-    hidden, cache = model(tokens [T], cache, meta, attention_impl)
-    logits = model.logits(hidden[rows])            # [rows, vocab] float32
+    hidden, cache = model(tokens [T], cache, meta, attention_impl, matmul_impl)
+    logits = model.logits(hidden[rows], matmul_impl)            # [rows, vocab] float32
+
+Quantized models (cfg.quantization, cfg.lm_head_quantization; see jaxserve.quant.schemes) declare the same
+weights: each quantized projection is a QuantizedWeight (int values + float32 scales) in place of its Param,
+derived from the same WeightSpec by `weight_scheme` and `jaxserve.quant.schemes.layout`. Embeddings, norms and
+biases stay float.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +27,10 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import layers
-from jaxserve.models.attention import paged_attention, reference_attention
-from jaxserve.models.linear import dense
+from jaxserve.models.attention import attend_paged, reference_attention
+from jaxserve.models.linear import QuantizedWeight
+from jaxserve.models.linear import dense as _dense
+from jaxserve.quant import schemes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,16 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return specs
 
 
+def weight_scheme(path: str, spec: WeightSpec, cfg: ModelConfig) -> str | None:
+    """How weight `path` is stored: None (float) or a jaxserve.quant scheme. The decoder layers' projections
+    follow cfg.quantization, the untied LM head cfg.lm_head_quantization; embeddings, norms and biases stay float."""
+    if path == "lm_head":
+        return cfg.lm_head_quantization
+    if path.startswith("layers/") and spec.contract > 0:
+        return cfg.quantization
+    return None
+
+
 def _init(spec: WeightSpec, dtype, key: jax.Array | None) -> jax.Array:
     if spec.init == "ones":
         return jnp.ones(spec.shape, dtype)
@@ -76,17 +94,31 @@ def _init(spec: WeightSpec, dtype, key: jax.Array | None) -> jax.Array:
     return (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
 
 
+def _weight(spec: WeightSpec, scheme: str | None, dtype, key: jax.Array | None, stacked: int):
+    """The module attribute for one declared weight: a Param, or a QuantizedWeight of the initialised weight."""
+    value = _init(spec, dtype, key)
+    if scheme is None:
+        return nnx.Param(value, axes=spec.axes)
+    quantize = functools.partial(schemes.quantize, contract=spec.contract, scheme=scheme)
+    for _ in range(stacked):
+        quantize = jax.vmap(quantize)
+    values, scales = quantize(value)
+    return QuantizedWeight(values, scales, schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked),
+                           scheme, spec.contract)
+
+
 class DecoderLayers(nnx.Module):
     """All decoder layers; attributes hold stacked weights [layers, ...]. Called on one layer's slice."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
         for name, spec in layer_weight_specs(cfg).items():
             key = rngs.params() if rngs is not None else None
-            setattr(self, name, nnx.Param(_init(spec, dtype, key), axes=spec.axes))
+            setattr(self, name, _weight(spec, weight_scheme(f"layers/{name}", spec, cfg), dtype, key, stacked=1))
 
-    def __call__(self, x, cos, sin, attend, cfg: ModelConfig):
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, matmul_impl: str = "xla"):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
         and `aux` (the updated cache, for the paged path) is handed back to the caller."""
+        dense = functools.partial(_dense, impl=matmul_impl)
         h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
         q = dense(h, self.wq, "...te,ehd->...thd")
         k = dense(h, self.wk, "...te,ehd->...thd")
@@ -116,42 +148,42 @@ class Llama(nnx.Module):
         self.layers = DecoderLayers(cfg, dtype, rngs)
         self.final_norm = nnx.Param(_init(specs["final_norm"], dtype, None), axes=specs["final_norm"].axes)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(_init(specs["lm_head"], dtype, key()), axes=specs["lm_head"].axes)
+            self.lm_head = _weight(specs["lm_head"], weight_scheme("lm_head", specs["lm_head"], cfg), dtype, key(),
+                                   stacked=0)
 
     @property
     def dtype(self):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                 attention_impl: str = "xla") -> tuple[jax.Array, KVCache]:
+                 attention_impl: str = "xla", matmul_impl: str = "xla") -> tuple[jax.Array, KVCache]:
         """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(meta.positions, x.dtype)
 
         def one_layer(layer, carry, index):
-            x, cache_k, cache_v = carry
+            x, cache = carry
 
             def attend(q, k, v):
-                out, k_new, v_new = paged_attention(q, k, v, cache_k, cache_v, index, meta,
-                                                    sliding_window=cfg.sliding_window, impl=attention_impl)
-                return out, (k_new, v_new)
+                return attend_paged(q, k, v, cache, index, meta, sliding_window=cfg.sliding_window,
+                                    impl=attention_impl)
 
-            x, (cache_k, cache_v) = layer(x, cos, sin, attend, cfg)
-            return x, cache_k, cache_v
+            return layer(x, cos, sin, attend, cfg, matmul_impl)
 
-        x, k, v = self._scan_layers(one_layer, (x, cache.k, cache.v))
-        return x, KVCache(k, v)
+        return self._scan_layers(one_layer, (x, cache))
 
-    def forward_dense(self, tokens: jax.Array) -> jax.Array:
+    def forward_dense(self, tokens: jax.Array, matmul_impl: str = "xla") -> jax.Array:
         """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
         dense_attention = jax.vmap(lambda q, k, v: reference_attention(q, k, v, sliding_window=cfg.sliding_window))
-        x = self._scan_layers(lambda layer, x, index: layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None),
-                                                            cfg)[0], x)
-        return self.logits(x)
+
+        def one_layer(layer, x, index):
+            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, matmul_impl)[0]
+
+        return self.logits(self._scan_layers(one_layer, x), matmul_impl)
 
     def _rope(self, positions, dtype):
         return layers.rope_cos_sin(positions, layers.rope_inv_freq(self.cfg.rope, self.cfg.head_dim), dtype)
@@ -168,12 +200,12 @@ class Llama(nnx.Module):
         carry, _ = jax.lax.scan(step, carry, (stacked, indices))
         return carry
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, matmul_impl: str = "xla") -> jax.Array:
         """[..., hidden] -> [..., vocab] float32 logits (applies the final norm)."""
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
         if self.cfg.tie_word_embeddings:
             return jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        return dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32)
+        return _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, impl=matmul_impl)
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:
@@ -197,5 +229,5 @@ def numpy_dtype(name: str):
     return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[name]
 
 
-__all__ = ["Llama", "WeightSpec", "weight_specs", "layer_weight_specs", "abstract_model", "random_model",
-           "numpy_dtype"]
+__all__ = ["Llama", "WeightSpec", "weight_specs", "layer_weight_specs", "weight_scheme", "abstract_model",
+           "random_model", "numpy_dtype"]

@@ -1,0 +1,205 @@
+"""Weight-only quantized matmul, W8A16 and W4A16: x [M, K] @ W [K, N] with W stored as int8 or packed int4.
+
+    x        [M, K]       bfloat16 (float16, float32) activations
+    values   [K, N]       int8    scheme "int8": W[k, n] = values[k, n] * scales[n]          scales [N] f32
+             [K / 2, N]   uint8   scheme "int4": W[2r, n] = (values[r, n] & 15) - 8, W[2r + 1, n] = (values[r, n]
+                                  >> 4) - 8, times scales[k // G, n]                          scales [K / G, N] f32
+    -> out   [M, N]       out_dtype (float32 by default)
+
+(The format is jaxserve.quant.schemes'; this module depends on jax only and restates what it reads.)
+
+Kernel grid (M / block_m, N / block_n, splits). Program (i, j, s) walks the s-th share of K in block_k tiles:
+it loads the x tile and the weight tile, converts the weight to x's dtype in registers (int8 and int4 values are
+exact in bfloat16), multiplies on the tensor cores (the Triton dot needs equal operand dtypes and >= 16 rows:
+the wrapper pads M) and accumulates in float32. int8 applies its per-channel scale once, in the epilogue; int4
+scales each k-tile's partial product (a tile never straddles a group: block_k divides G) before adding it.
+With several splits (split-K: a decode-sized M over few output tiles still fills the GPU) each split writes
+scaled float32 partials and a jnp sum combines them.
+
+int4 reads x as two planes, x_even = x[:, 0::2] for the low nibbles and x_odd = x[:, 1::2] for the high ones
+(split once by the wrapper), so the packed tile [block_k / 2, block_n] unpacks into two dot operands with no
+interleaving in registers: out = x_even @ low + x_odd @ high.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as c
+
+SCHEMES = ("int8", "int4")
+MAX_BLOCK_K = 128
+MIN_K_TILES_PER_SPLIT = 4  # a split's fixed cost (its partial write and the combine) wants a few tiles of work
+PROGRAMS_PER_SM = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Launch parameters (hashable: a static argument)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128  # K rows per tile (int4: two planes of block_k / 2 packed rows)
+    splits: int = 1  # split-K shares
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing n, at most cap."""
+    return min(cap, n & -n)
+
+
+def choose_config(m: int, k: int, n: int, scheme: str, group: int | None = None,
+                  num_sms: int = c.H100_CLASS_SMS) -> MatmulConfig:
+    """Block sizes from the shapes. Small M (decode) is bound by reading the weight once: narrow output tiles,
+    a deep pipeline and split-K until there are ~2 programs per SM. Large M (prefill) uses 128 x 128 tiles."""
+    block_m = min(128, max(c.MIN_DOT_ROWS, c.next_pow2(m)))
+    block_n = _pow2_divisor(n, 64 if m <= 64 else 128)
+    block_k = _pow2_divisor(k, MAX_BLOCK_K if scheme == "int8" else min(MAX_BLOCK_K, group))
+    programs = -(-m // block_m) * (n // block_n)
+    unit = block_k if scheme == "int8" else group  # a split covers whole tiles (int4: whole groups)
+    splits = _split_count(k // unit, -(-PROGRAMS_PER_SM * num_sms // programs), k // block_k)
+    big = block_m * block_n >= 128 * 128
+    return MatmulConfig(block_m, block_n, block_k, splits, num_warps=8 if big else 4, num_stages=3 if big else 4)
+
+
+def _split_count(units: int, wanted: int, tiles: int) -> int:
+    """The largest divisor of `units` that is <= wanted and leaves each split MIN_K_TILES_PER_SPLIT tiles."""
+    best = 1
+    for d in range(1, min(units, wanted) + 1):
+        if units % d == 0 and tiles // d >= MIN_K_TILES_PER_SPLIT:
+            best = d
+    return best
+
+
+def check_config(k: int, n: int, scheme: str, group: int | None, config: MatmulConfig) -> None:
+    """Tile rules of the Triton dot (power-of-2 tiles, >= 16 rows and columns) and of the format."""
+    half = config.block_k // 2 if scheme == "int4" else config.block_k
+    for name, size in (("block_m", config.block_m), ("block_n", config.block_n), ("block_k (per dot)", half)):
+        if not c.is_pow2(size) or size < c.MIN_DOT_ROWS:
+            raise ValueError(f"{name} must be a power of 2 >= {c.MIN_DOT_ROWS} for the Triton dot, got {size}")
+    if n % config.block_n:
+        raise ValueError(f"N={n} must be a multiple of block_n={config.block_n}")
+    unit = config.block_k if scheme == "int8" else group
+    if k % (unit * config.splits) or (scheme == "int4" and group % config.block_k):
+        raise ValueError(f"K={k} must split into {config.splits} shares of whole {unit}-row units, and an int4 "
+                         f"k-tile ({config.block_k}) must divide the group ({group})")
+
+
+def _int8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int):
+    """x_ref [block_m, K_share]; w_ref [K_share, block_n] int8; s_ref [block_n]; o_ref [block_m, block_n]."""
+    def body(t, acc):
+        k0 = pl.multiple_of(t * block_k, block_k)
+        x = x_ref[:, pl.ds(k0, block_k)]
+        w = w_ref[pl.ds(k0, block_k), :].astype(x.dtype)
+        return acc + c.dot(x, w)
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    acc = lax.fori_loop(0, w_ref.shape[0] // block_k, body, acc)
+    o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)
+
+
+def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, o_ref, *, block_k: int, group: int):
+    """xe_ref, xo_ref [block_m, K_share / 2]: x's even / odd columns; w_ref [K_share / 2, block_n] uint8;
+    s_ref [K_share / G, block_n]; o_ref [block_m, block_n]."""
+    half = block_k // 2
+    tiles_per_group = group // block_k
+
+    def body(t, acc):
+        r0 = pl.multiple_of(t * half, half)
+        xe = xe_ref[:, pl.ds(r0, half)]
+        packed = w_ref[pl.ds(r0, half), :]
+        low = (packed & 15).astype(xe.dtype) - 8
+        high = (packed >> 4).astype(xe.dtype) - 8
+        part = c.dot(xe, low) + c.dot(xo_ref[:, pl.ds(r0, half)], high)
+        return acc + part * s_ref[c.div(t, tiles_per_group), :][None, :]
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    acc = lax.fori_loop(0, w_ref.shape[0] // half, body, acc)
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _call(x_planes, values, scales, *, scheme, group, config: MatmulConfig, out_dtype, interpret):
+    """x_planes: (x [Mp, K],) or (x_even, x_odd) [Mp, K / 2] -> out [splits, Mp, N]."""
+    m_pad, n = x_planes[0].shape[0], values.shape[1]
+    share_x = x_planes[0].shape[1] // config.splits  # K / splits (int4: halved, like the packed rows)
+    share_w = values.shape[0] // config.splits
+    x_spec = pl.BlockSpec((config.block_m, share_x), lambda i, j, s: (i, s))
+    w_spec = pl.BlockSpec((share_w, config.block_n), lambda i, j, s: (s, j))
+    if scheme == "int8":
+        kernel = functools.partial(_int8_kernel, block_k=config.block_k)
+        s_spec = pl.BlockSpec((config.block_n,), lambda i, j, s: (j,))
+    else:
+        kernel = functools.partial(_int4_kernel, block_k=config.block_k, group=group)
+        s_spec = pl.BlockSpec((scales.shape[0] // config.splits, config.block_n), lambda i, j, s: (s, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(m_pad // config.block_m, n // config.block_n, config.splits),
+        in_specs=[x_spec] * len(x_planes) + [w_spec, s_spec],
+        out_specs=pl.BlockSpec((None, config.block_m, config.block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((config.splits, m_pad, n), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"jaxserve_w{scheme[3:]}a16_matmul",
+    )(*x_planes, values, scales)
+
+
+def matrix_k(values: jax.Array, scheme: str) -> int:
+    return values.shape[0] * (2 if scheme == "int4" else 1)
+
+
+def group_of(values: jax.Array, scales: jax.Array, scheme: str) -> int | None:
+    return matrix_k(values, scheme) // scales.shape[0] if scheme == "int4" else None
+
+
+@functools.partial(jax.jit, static_argnames=("scheme", "out_dtype", "interpret", "config"))
+def quant_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, scheme: str, out_dtype=jnp.float32,
+                 interpret: bool = False, config: MatmulConfig | None = None) -> jax.Array:
+    """x [M, K] @ the quantized [K, N] weight (see the module docstring) -> [M, N] in out_dtype."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    m, k = x.shape
+    n = values.shape[1]
+    if matrix_k(values, scheme) != k:
+        raise ValueError(f"x has K={k} but the {scheme} weight {values.shape} holds K={matrix_k(values, scheme)}")
+    group = group_of(values, scales, scheme)
+    config = config or choose_config(m, k, n, scheme, group, c.num_sms())
+    check_config(k, n, scheme, group, config)
+    m_pad = -(-m // config.block_m) * config.block_m
+    x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    planes = (x,) if scheme == "int8" else (x[:, 0::2], x[:, 1::2])
+    partial_dtype = out_dtype if config.splits == 1 else jnp.float32
+    out = _call(planes, values, scales, scheme=scheme, group=group, config=config, out_dtype=partial_dtype,
+                interpret=interpret)
+    out = out[0] if config.splits == 1 else out.sum(axis=0)
+    return out[:m].astype(out_dtype)
+
+
+def unpack_int4_reference(values: jax.Array) -> jax.Array:
+    """[K / 2, N] uint8 -> [K, N] float32 integer values in [-8, 7]."""
+    low = (values & 15).astype(jnp.float32) - 8
+    high = (values >> 4).astype(jnp.float32) - 8
+    return jnp.stack([low, high], axis=1).reshape(-1, values.shape[1])
+
+
+def dequantize_reference(values: jax.Array, scales: jax.Array, scheme: str) -> jax.Array:
+    """The float32 weight [K, N]."""
+    if scheme == "int8":
+        return values.astype(jnp.float32) * scales[None, :]
+    w = unpack_int4_reference(values)
+    k, n = w.shape
+    return (w.reshape(scales.shape[0], -1, n) * scales[:, None, :]).reshape(k, n)
+
+
+def quant_matmul_reference(x: jax.Array, values: jax.Array, scales: jax.Array, *, scheme: str) -> jax.Array:
+    """float32 x @ dequantized W, at full float32 precision -> [M, N] float32."""
+    w = dequantize_reference(values, scales, scheme)
+    return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
