@@ -31,17 +31,19 @@ from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
 from jaxserve.models.llama import Llama, numpy_dtype
 from jaxserve.outputs import RequestOutput
+from jaxserve.quant.kv import kv_storage_dtype
+from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfig, StepPlan
 
 log = logging.getLogger(__name__)
 
 
-def resolve_attention(impl: str) -> str:
+def resolve_attention(impl: str, what: str = "attention") -> str:
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl not in ("pallas", "xla"):
-        raise ValueError(f"attention must be auto, pallas or xla, not {impl!r}")
+        raise ValueError(f"{what} must be auto, pallas or xla, not {impl!r}")
     return impl
 
 
@@ -60,14 +62,16 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = config.resolved_max_model_len(model.cfg)
         self.attention_impl = resolve_attention(config.attention)
+        self.matmul_impl = resolve_attention(config.matmul, "matmul")  # used by quantized weights only
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
         self.kv_plan = self._plan_kv(model)
         kv = KVCache.zeros(model.cfg.num_layers, model.cfg.num_kv_heads, self.kv_plan.num_pages, config.page_size,
-                           model.cfg.head_dim, model.dtype)
+                           model.cfg.head_dim, self.kv_dtype)
         slots = SlotState.zeros(config.max_num_seqs + 1, self.max_model_len)
         self.buckets = self._buckets()
         options = ({"xla_backend_optimization_level": config.xla_optimization_level}
                    if config.xla_optimization_level is not None else None)
-        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options)
+        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options, self.matmul_impl)
         self.compile_seconds = self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -78,9 +82,22 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._in_flight: PendingStep | None = None
-        log.info("engine ready: %s attention, %d KV pages of %d tokens (%.1f MiB), %d step shapes compiled in %.1fs",
-                 self.attention_impl, self.kv_plan.num_pages, config.page_size, self.kv_plan.cache_bytes / 2**20,
-                 self.runner.num_executables, self.compile_seconds)
+        log.info("engine ready: %s attention, weights %s (%.1f MiB), KV cache %s: %d pages of %d tokens (%.1f MiB), "
+                 "%d step shapes compiled in %.1fs", self.attention_impl, self.weights_description,
+                 self.weight_bytes / 2**20, self.kv_dtype.name, self.kv_plan.num_pages, config.page_size,
+                 self.kv_plan.cache_bytes / 2**20, self.runner.num_executables, self.compile_seconds)
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model_config, jnp.dtype(self.runner.params["embed"][...].dtype).name)
+
+    @property
+    def weights_description(self) -> str:
+        cfg = self.model_config
+        if cfg.quantization is None and cfg.lm_head_quantization is None:
+            return jnp.dtype(self.runner.params["embed"][...].dtype).name
+        head = f", LM head {cfg.lm_head_quantization or 'float'}" if not cfg.tie_word_embeddings else ""
+        return f"{cfg.quantization or 'float'} ({self.matmul_impl} matmul{head})"
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
@@ -95,8 +112,8 @@ class LLMEngine:
         return cls(model, config, tokenizer, show_progress=show_progress)
 
     def _plan_kv(self, model: Llama) -> KVPlan:
-        itemsize = jnp.dtype(model.dtype).itemsize
-        return plan_kv_cache(model.cfg, self.config, self.max_model_len, itemsize, free_device_memory())
+        return plan_kv_cache(model.cfg, self.config, self.max_model_len, self.kv_dtype.itemsize, free_device_memory(),
+                             KVCache.scale_bytes(self.kv_dtype))
 
     def _buckets(self) -> BucketTable:
         c = self.config

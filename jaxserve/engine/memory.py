@@ -29,16 +29,17 @@ class KVPlan:
         return (self.num_pages - 1) * self.page_size
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, scale_bytes: int = 0) -> int:
+    """K and V bytes of one token in every layer; `scale_bytes` per token and KV head (4 for an int8 cache)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * itemsize + scale_bytes)
 
 
 def plan_kv_cache(cfg: ModelConfig, engine: EngineConfig, max_model_len: int, itemsize: int,
-                  free_bytes: int) -> KVPlan:
+                  free_bytes: int, scale_bytes: int = 0) -> KVPlan:
     """Pages for the KV cache: the explicit budget, else `kv_cache_fraction` of free memory; never more than
     max_num_seqs full-length sequences need (plus the null page)."""
     page_size = engine.page_size
-    bytes_per_page = kv_bytes_per_token(cfg, itemsize) * page_size
+    bytes_per_page = kv_bytes_per_token(cfg, itemsize, scale_bytes) * page_size
     wanted = engine.max_num_seqs * math.ceil(max_model_len / page_size) + 1
     budget = int(engine.kv_cache_memory) if engine.kv_cache_memory else int(free_bytes * engine.kv_cache_fraction)
     num_pages = min(wanted, budget // bytes_per_page)

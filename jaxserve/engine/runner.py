@@ -61,7 +61,7 @@ class PromptLogprobs:
 
 
 def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: StepInputs, *, shape: StepShape,
-               page_size: int, attention_impl: str) -> tuple[KVCache, ModelOutputs]:
+               page_size: int, attention_impl: str, matmul_impl: str = "xla") -> tuple[KVCache, ModelOutputs]:
     """The forward pass of one step (compiled per StepShape, kv donated). Input tokens come from the slots'
     token buffer on device."""
     model: Llama = nnx.merge(graphdef, params)
@@ -72,9 +72,9 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
                                    is_decode=is_decode)
     valid = meta.seq_ids < num_seqs
     token_slots = jnp.where(valid, inputs.row_slots[jnp.minimum(meta.seq_ids, num_seqs - 1)], 0)
-    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, attention_impl)
+    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, attention_impl, matmul_impl)
     last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
-    return kv, ModelOutputs(model.logits(hidden[last]), hidden, token_slots, meta.positions)
+    return kv, ModelOutputs(model.logits(hidden[last], matmul_impl), hidden, token_slots, meta.positions)
 
 
 def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, context_lens: jax.Array,
@@ -88,7 +88,7 @@ def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, conte
 
 
 def prompt_logprobs_step(graphdef, params, hidden: jax.Array, token_buffer: jax.Array, token_slots: jax.Array,
-                         positions: jax.Array) -> PromptLogprobs:
+                         positions: jax.Array, matmul_impl: str = "xla") -> PromptLogprobs:
     """log p(token at position + 1 | prefix) for every token of a step, in chunks of rows (compiled per T)."""
     model: Llama = nnx.merge(graphdef, params)
     targets = token_buffer[token_slots, positions + 1]
@@ -98,7 +98,7 @@ def prompt_logprobs_step(graphdef, params, hidden: jax.Array, token_buffer: jax.
 
     def one_chunk(args):
         h, tgt = args
-        lp = jax.nn.log_softmax(model.logits(h), axis=-1)
+        lp = jax.nn.log_softmax(model.logits(h, matmul_impl), axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
         return jnp.take_along_axis(lp, tgt[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
@@ -130,7 +130,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, attention_impl: str,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, matmul_impl: str = "xla"):
         self.graphdef, self.params = nnx.split(model)
         self.compiler_options = compiler_options
         self.cfg = model.cfg
@@ -138,6 +138,7 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = kv.page_size
         self.attention_impl = attention_impl
+        self.matmul_impl = matmul_impl  # quantized weights only: "pallas" or "xla"
         self.model_executables: dict[StepShape, Callable] = {}
         self.sample_executables: dict[int, Callable] = {}
         self.prompt_lp_executables: dict[int, Callable] = {}
@@ -161,7 +162,7 @@ class ModelRunner:
 
     def _compile_model(self, shape: StepShape) -> None:
         fn = functools.partial(model_step, self.graphdef, shape=shape, page_size=self.page_size,
-                               attention_impl=self.attention_impl)
+                               attention_impl=self.attention_impl, matmul_impl=self.matmul_impl)
         lowered = jax.jit(fn, donate_argnums=1).lower(self.params, self.kv, self.slots.tokens,
                                                       self.abstract_inputs(shape))
         self.model_executables[shape] = lowered.compile(self.compiler_options)
@@ -175,7 +176,7 @@ class ModelRunner:
     def _compile_prompt_lp(self, num_tokens: int) -> None:
         i32 = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
         hidden = jax.ShapeDtypeStruct((num_tokens, self.cfg.hidden_size), self.params["embed"][...].dtype)
-        fn = functools.partial(prompt_logprobs_step, self.graphdef)
+        fn = functools.partial(prompt_logprobs_step, self.graphdef, matmul_impl=self.matmul_impl)
         self.prompt_lp_executables[num_tokens] = jax.jit(fn).lower(self.params, hidden, self.slots.tokens, i32,
                                                                     i32).compile(self.compiler_options)
 
