@@ -62,6 +62,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self.error: BaseException | None = None
         self._stopped = threading.Event()
+        self._lock = threading.Lock()  # orders admission against the engine thread's last look at its queue
+        self._closed = False
         self.num_waiting = 0  # written by the engine thread, read by the server for admission
         self.num_running = 0
 
@@ -79,30 +81,44 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     # ---- requests -------------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
-                       priority: int = 0, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as they are made; the last one has finished=True. Raises ValueError for
-        a request the engine rejects, QueueFullError when admission refuses it, EngineDeadError if the engine
-        died. Cancelling the iteration (a client that went away) aborts the request."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}")
-        if self.max_queued_requests is not None and self.num_waiting + self._commands.qsize() >= self.max_queued_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting")
+    async def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
+                          priority: int = 0, prompt_text: str | None = None) -> "RequestStream":
+        """Queues a request and returns once the engine thread has accepted it, so a server can still answer
+        with an error status: raises ValueError for a request the engine rejects, QueueFullError when admission
+        refuses it, EngineDeadError if the engine is not running. Iterate the stream for the outputs; closing it
+        before the last one aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._commands.put(_Add(request_id, prompt, params, priority, prompt_text, outputs, loop, accepted))
-        await accepted  # raises the engine's ValueError for a bad request
-        finished = False
+        self._submit(_Add(request_id, prompt, params, priority, prompt_text, outputs, loop, accepted))
         try:
-            while not finished:
-                output = await outputs.get()
-                finished = output.finished
+            await accepted  # raises the engine's ValueError for a bad request
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the engine may have accepted it meanwhile
+            raise
+        return RequestStream(self, request_id, outputs)
+
+    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
+                       priority: int = 0, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they are made; the last one has finished=True. Raises as add_request
+        does. Cancelling the iteration (a client that went away) aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority, prompt_text=prompt_text)
+        try:
+            async for output in stream:
                 yield output
         finally:
-            if not finished:
-                self.abort(request_id)
+            stream.close()
+
+    def _submit(self, command: _Add) -> None:
+        """Admission. Under the lock, so no command lands in the queue after the engine thread emptied it."""
+        with self._lock:
+            if self._closed or not self.is_alive:
+                raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            if (self.max_queued_requests is not None
+                    and self.num_waiting + self._commands.qsize() >= self.max_queued_requests):
+                raise QueueFullError(f"{self.num_waiting} requests are already waiting")
+            self._commands.put(command)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -122,7 +138,18 @@ class AsyncEngine:
             self.error = exc
             self._fail_all(exc)
         finally:
+            self._reject_queued_requests()
             self._stopped.set()
+
+    def _reject_queued_requests(self) -> None:
+        """Requests still queued when the loop ends would otherwise wait for an acceptance that never comes."""
+        with self._lock:
+            self._closed = True
+        while not self._commands.empty():
+            command = self._commands.get_nowait()
+            if isinstance(command, _Add):
+                reason = EngineDeadError(f"the engine stopped: {self.error!r}")
+                command.loop.call_soon_threadsafe(_set_exception, command.accepted, reason)
 
     def _drain_commands(self, block: bool) -> bool:
         """Applies queued commands; waits for one if the engine is idle. False once asked to stop."""
@@ -175,6 +202,31 @@ class AsyncEngine:
                 output.metrics.finished_time = now
             loop.call_soon_threadsafe(q.put_nowait, output)
         self._streams.clear()
+
+
+class RequestStream:
+    """One accepted request's outputs, in order; the last has finished=True. close() before then aborts it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._outputs = outputs
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        output = await self._outputs.get()
+        self.finished = output.finished
+        return output
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

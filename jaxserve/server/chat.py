@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions: the model's chat template (from its tokenizer config) turns messages into a prompt.
+
+Messages: content is a string, null (read as ""), or a list of text parts (joined); other part types are 400s.
+`tools` and `chat_template_kwargs` reach the template; tool calls in the output are not parsed, `tool_choice`
+is ignored. Streaming: a first chunk per choice carries the role, then content deltas, then a chunk with an
+empty delta and the finish_reason (OpenAI's order). Logprobs use the chat shape (logprobs.content[]).
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.errors import bad_request
+from jaxserve.server.generation import (Prompt, check_length, check_model, read_json, run_tokenizer,
+                                        sampling_params, submit)
+from jaxserve.server.logprobs import chat_logprobs
+from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.responses import ResponseView, respond
+from jaxserve.server.schema import parse_request
+from jaxserve.server.state import ServerState, server_of
+from jaxserve.tokenizer import ChatTemplateError
+
+RESERVED_TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
+async def create_chat_completion(request: Request) -> Response:
+    server = server_of(request)
+    body = parse_request(ChatCompletionRequest, await read_json(request))
+    check_chat_request(body)
+    check_model(server, body.model)
+    prompt = await run_tokenizer(chat_prompt, server, body)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    check_length(server, prompt, body.max_new_tokens, prompt_param="messages", max_tokens_param=max_tokens_param)
+    params = sampling_params(server, body, max_tokens=body.max_new_tokens,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    view = ChatView(server, body, [prompt])
+    return await respond(request, view, await submit(server, view.id, [prompt], params))
+
+
+def check_chat_request(body: ChatCompletionRequest) -> None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options needs stream: true", param="stream_options")
+    reserved = RESERVED_TEMPLATE_ARGUMENTS & set(body.chat_template_kwargs or {})
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                          param="chat_template_kwargs")
+
+
+def chat_prompt(server: ServerState, body: ChatCompletionRequest) -> Prompt:
+    messages = [template_message(message) for message in body.messages]
+    try:
+        ids = server.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                           tools=body.tools, **(body.chat_template_kwargs or {}))
+    except ChatTemplateError as exc:  # NoChatTemplateError included
+        raise bad_request(f"the chat template cannot format these messages: {exc}", param="messages") from None
+    return Prompt(ids, "")
+
+
+def template_message(message: dict) -> dict:
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # text parts only: the schema refuses the others
+        content = "".join(part["text"] for part in content)
+    return {**message, "content": content}
+
+
+class ChatView(ResponseView):
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def choice(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> dict:
+        return {"index": self.index(prompt_index, sample),
+                "message": {"role": "assistant", "content": sample.text},
+                "logprobs": self._logprobs(sample, sample.logprobs),
+                "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
+
+    def opening_choices(self) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.body.n)]
+
+    def delta_choices(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> list[dict]:
+        index = self.index(prompt_index, sample)
+        new_logprobs = sample.logprobs[len(sample.logprobs) - len(sample.new_token_ids):] if sample.logprobs else []
+        choices = []
+        if sample.new_text or new_logprobs:
+            choices.append({"index": index, "delta": {"content": sample.new_text},
+                            "logprobs": self._logprobs(sample, new_logprobs), "finish_reason": None})
+        if sample.finished:
+            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": sample.finish_reason,
+                            "stop_reason": sample.stop_reason})
+        return choices
+
+    def _logprobs(self, sample: CompletionOutput, entries) -> dict | None:
+        if sample.logprobs is None:
+            return None
+        return chat_logprobs(entries, self.server.token_text)

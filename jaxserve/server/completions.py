@@ -1,0 +1,143 @@
+"""POST /v1/completions: OpenAI's (legacy) completions, streaming and not.
+
+prompt: a string, a list of strings, a list of token ids, or a list of such lists; one engine request each.
+echo: each choice's text starts with its prompt's text; with `logprobs`, the prompt's tokens come first in the
+  logprobs (the first has token_logprobs None and top_logprobs None: nothing predicts it).
+max_tokens 0 (only with echo, as lm-evaluation-harness scores a prompt): the engine always samples at least one
+  token, so it runs max_tokens 1 with prompt logprobs and the sampled token is dropped: the choice is exactly the
+  prompt (text and logprobs), finish_reason "length", usage.completion_tokens 0. It costs no extra step: the
+  token is sampled in the prompt's last prefill step.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.errors import bad_request
+from jaxserve.server.generation import (Prompt, check_length, check_model, check_token_ids, read_json,
+                                        run_tokenizer, sampling_params, submit)
+from jaxserve.server.logprobs import completion_logprobs
+from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.responses import ResponseView, respond
+from jaxserve.server.schema import parse_request
+from jaxserve.server.state import ServerState, server_of
+
+
+async def create_completion(request: Request) -> Response:
+    server = server_of(request)
+    body = parse_request(CompletionRequest, await read_json(request))
+    check_completion_request(body)
+    check_model(server, body.model)
+    prompts = await run_tokenizer(completion_prompts, server, body)
+    params = completion_params(server, body)
+    for i, prompt in enumerate(prompts):
+        check_length(server, prompt, params.max_tokens, prompt_param=prompt_param(body, i),
+                     max_tokens_param="max_tokens")
+    view = CompletionView(server, body, prompts)
+    return await respond(request, view, await submit(server, view.id, prompts, params))
+
+
+def check_completion_request(body: CompletionRequest) -> None:
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens must be at least 1 (0 is accepted only with echo, to score the prompt)",
+                          param="max_tokens")
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of is not supported unless it equals n", param="best_of")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options needs stream: true", param="stream_options")
+
+
+def completion_prompts(server: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """Text prompts are encoded; token-id prompts are checked and decoded (for echo)."""
+    raw = body.prompt
+    items = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = server.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
+            prompts.append(Prompt(ids, item))
+        else:
+            check_token_ids(server, item, prompt_param(body, i))
+            prompts.append(Prompt(list(item), server.tokenizer.decode(item, body.skip_special_tokens)))
+    return prompts
+
+
+def prompt_param(body: CompletionRequest, index: int) -> str:
+    is_batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+    return f"prompt[{index}]" if is_batch else "prompt"
+
+
+def completion_params(server: ServerState, body: CompletionRequest) -> SamplingParams:
+    scores_prompt = body.echo and body.logprobs is not None
+    return sampling_params(server, body, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
+                           prompt_logprobs=body.logprobs if scores_prompt else None)
+
+
+class CompletionView(ResponseView):
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, server: ServerState, body: CompletionRequest, prompts: list[Prompt]):
+        super().__init__(server, body, prompts)
+        self.score_only = body.max_tokens == 0
+        self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}
+
+    def completion_tokens(self, sample: CompletionOutput) -> int:
+        return 0 if self.score_only else len(sample.token_ids)
+
+    def choice(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> dict:
+        index = self.index(prompt_index, sample)
+        self._echoed.discard(index)
+        self._offsets.pop(index, None)
+        return self._piece(prompt_index, output, sample, sample.token_ids, sample.text, finished=True)
+
+    def delta_choices(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> list[dict]:
+        index = self.index(prompt_index, sample)
+        if not (sample.token_ids or sample.finished):
+            return []  # the prompt (and its logprobs) is not complete yet
+        if not self._has_news(index, sample):
+            return []
+        return [self._piece(prompt_index, output, sample, sample.new_token_ids, sample.new_text,
+                            finished=sample.finished)]
+
+    def _has_news(self, index: int, sample: CompletionOutput) -> bool:
+        echo_pending = self.body.echo and index not in self._echoed
+        new_logprobs = self.body.logprobs is not None and bool(sample.new_token_ids)
+        return bool(sample.new_text) or sample.finished or echo_pending or new_logprobs
+
+    def _piece(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput, token_ids: list[int],
+               text: str, finished: bool) -> dict:
+        """A choice (or a streamed part of one): the echoed prompt first if not yet sent, then generated text."""
+        index = self.index(prompt_index, sample)
+        if self.score_only:
+            token_ids, text = [], ""
+        ids, entries, prefix = self._echo(index, prompt_index, output)
+        new_entries = sample.logprobs[len(sample.logprobs) - len(token_ids):] if sample.logprobs else []
+        return {"index": index, "text": prefix + text,
+                "logprobs": self._logprobs(index, ids + list(token_ids), entries + new_entries),
+                "finish_reason": self._finish_reason(sample) if finished else None,
+                "stop_reason": sample.stop_reason if finished and not self.score_only else None}
+
+    def _echo(self, index: int, prompt_index: int, output: RequestOutput) -> tuple[list[int], list, str]:
+        if not self.body.echo or index in self._echoed:
+            return [], [], ""
+        self._echoed.add(index)
+        prompt = self.prompts[prompt_index]
+        entries = list(output.prompt_logprobs) if output.prompt_logprobs is not None else []
+        return list(prompt.token_ids), entries, prompt.text
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        logprobs, self._offsets[index] = completion_logprobs(
+            token_ids, entries, self.server.token_text, self._offsets.get(index, 0), self.body.skip_special_tokens)
+        return logprobs
+
+    def _finish_reason(self, sample: CompletionOutput) -> str | None:
+        return "length" if self.score_only else sample.finish_reason

@@ -1,0 +1,52 @@
+"""What every handler needs, built once per app and kept on `app.state.server` (no module globals)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from starlette.requests import Request
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.lifecycle import Lifecycle
+from jaxserve.server.logprobs import TokenText
+from jaxserve.server.metrics import ServerMetrics
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    model_names: tuple[str, ...]  # the first is the one reported in responses
+    root: str  # the model directory
+    metrics: ServerMetrics
+    lifecycle: Lifecycle
+    token_text: TokenText
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, config: ServerConfig, model_dir: str) -> "ServerState":
+        names = tuple(config.served_model_name or (str(model_dir),))
+        return cls(engine, config, names, str(model_dir), ServerMetrics(engine, names[0]), Lifecycle(),
+                   TokenText(engine.engine.tokenizer))
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+
+def server_of(request: Request) -> ServerState:
+    return request.app.state.server
