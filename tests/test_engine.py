@@ -20,7 +20,7 @@ MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
                     dtype="float32")
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=384,
-                      decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(16, 64), prefill_seq_buckets=(4, 8),
+                      decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(16, 64),
                       context_buckets=(128, 384), kv_cache_memory=2**22, xla_optimization_level=0,
                       compilation_cache_dir="")
 

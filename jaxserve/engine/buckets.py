@@ -50,26 +50,28 @@ def _geometric(lo: int, hi: int, ratio: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class BucketTable:
     decode_sizes: tuple[int, ...]  # B ladder
-    token_sizes: tuple[int, ...]  # T ladder
-    seq_sizes: tuple[int, ...]  # S ladder
+    prefill_sizes: tuple[tuple[int, int], ...]  # (T, S) pairs, sorted by T then S
     page_sizes: tuple[int, ...]  # P ladder
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages: int, *,
               decode_sizes=None, token_sizes=None, seq_sizes=None, context_pages=None) -> "BucketTable":
-        """Default ladders: B in powers of two, T in powers of four from 16, S in powers of four from 4,
-        P in powers of four from 16 pages (one rung when context_pages=(max_pages,))."""
+        """Default ladders: B in powers of two; T in powers of four from 16 up to the token budget, each with
+        S = min(T, max_num_seqs) (a step never has more sequences than tokens); P in powers of four from 16
+        pages. An explicit S ladder pairs every S with every T >= S."""
         decode = decode_sizes or _powers_of_two(1, max_num_seqs)
-        tokens = token_sizes or _geometric(min(16, max_num_batched_tokens), max_num_batched_tokens, 4)
-        seqs = seq_sizes or _geometric(min(4, max_num_seqs), max_num_seqs, 4)
+        tokens = sorted(set(token_sizes or _geometric(min(16, max_num_batched_tokens), max_num_batched_tokens, 4)))
+        if seq_sizes:
+            pairs = [(t, s) for t in tokens for s in sorted(set(seq_sizes)) if s <= t or s == min(seq_sizes)]
+        else:
+            pairs = [(t, min(t, max_num_seqs)) for t in tokens]
         pages = context_pages or _geometric(min(16, max_pages), max_pages, 4)
-        return cls(tuple(sorted(set(decode))), tuple(sorted(set(tokens))), tuple(sorted(set(seqs))),
+        return cls(tuple(sorted(set(decode))), tuple(sorted(set(pairs))),
                    tuple(sorted(set(min(p, max_pages) for p in pages))))
 
     def shapes(self) -> list[StepShape]:
         out = [StepShape("decode", b, b, p) for b in self.decode_sizes for p in self.page_sizes]
-        out += [StepShape("prefill", t, s, p) for t in self.token_sizes for s in self.seq_sizes
-                if s <= t or s == self.seq_sizes[0] for p in self.page_sizes]
+        out += [StepShape("prefill", t, s, p) for t, s in self.prefill_sizes for p in self.page_sizes]
         return out
 
     def decode_shape(self, num_seqs: int, max_pages: int) -> StepShape:
@@ -77,14 +79,12 @@ class BucketTable:
         return StepShape("decode", b, b, _fit(self.page_sizes, max_pages, "pages per sequence"))
 
     def prefill_shape(self, num_tokens: int, num_seqs: int, max_pages: int) -> StepShape:
-        t = _fit(self.token_sizes, num_tokens, "tokens per step")
-        s = _fit([s for s in self.seq_sizes if s <= t or s == self.seq_sizes[0]] or self.seq_sizes, num_seqs,
-                 f"sequences per step of {t} tokens")
+        fitting = [(t, s) for t, s in self.prefill_sizes if t >= num_tokens and s >= num_seqs]
+        if not fitting:
+            raise BucketError(f"a step of {num_tokens} tokens from {num_seqs} sequences fits no compiled bucket "
+                              f"(largest: {self.prefill_sizes[-1]})")
+        t, s = fitting[0]
         return StepShape("prefill", t, s, _fit(self.page_sizes, max_pages, "pages per sequence"))
-
-    @property
-    def max_seqs(self) -> int:
-        return max(self.decode_sizes[-1], self.seq_sizes[-1])
 
 
 def _fit(ladder, value: int, what: str) -> int:

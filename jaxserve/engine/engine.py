@@ -22,8 +22,11 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.buckets import BucketTable
-from jaxserve.engine.memory import KVPlan, free_device_memory, plan_kv_cache
+from jaxserve.engine.memory import KVPlan, plan_kv_cache
+from jaxserve.engine.multihost import leader_mirror
 from jaxserve.engine.output import RequestState
+from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory, kv_cache_shardings, model_sharder,
+                                       place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import EngineStats, StepRecord
@@ -31,6 +34,7 @@ from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
 from jaxserve.models.llama import Llama, numpy_dtype
 from jaxserve.outputs import RequestOutput
+from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
 from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
@@ -55,8 +59,11 @@ def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
 
 
 class LLMEngine:
+    """`mesh`: the devices this engine runs on (default: the first tensor_parallel_size devices, see
+    jaxserve.engine.placement); a data-parallel replica gets its row of the global mesh."""
+
     def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 show_progress: bool = True):
+                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None):
         self.config = config
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -64,14 +71,20 @@ class LLMEngine:
         self.attention_impl = resolve_attention(config.attention)
         self.matmul_impl = resolve_attention(config.matmul, "matmul")  # used by quantized weights only
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
+        self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
+        model = place_model(model, self.sharder)
         self.kv_plan = self._plan_kv(model)
-        kv = KVCache.zeros(model.cfg.num_layers, model.cfg.num_kv_heads, self.kv_plan.num_pages, config.page_size,
-                           model.cfg.head_dim, self.kv_dtype)
-        slots = SlotState.zeros(config.max_num_seqs + 1, self.max_model_len)
+        kv = create_on_mesh(lambda: KVCache.zeros(model.cfg.num_layers, model.cfg.num_kv_heads,
+                                                  self.kv_plan.num_pages, config.page_size, model.cfg.head_dim,
+                                                  self.kv_dtype), lambda a: kv_cache_shardings(a, self.sharder))
+        slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
+                               lambda a: self.sharder.replicated)
         self.buckets = self._buckets()
         options = ({"xla_backend_optimization_level": config.xla_optimization_level}
                    if config.xla_optimization_level is not None else None)
-        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options, self.matmul_impl)
+        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options, self.matmul_impl,
+                                  self.sharder)
+        self.runner.mirror = leader_mirror()
         self.compile_seconds = self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -83,9 +96,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self._in_flight: PendingStep | None = None
         log.info("engine ready: %s attention, weights %s (%.1f MiB), KV cache %s: %d pages of %d tokens (%.1f MiB), "
-                 "%d step shapes compiled in %.1fs", self.attention_impl, self.weights_description,
+                 "%d step shapes compiled in %.1fs, %s", self.attention_impl, self.weights_description,
                  self.weight_bytes / 2**20, self.kv_dtype.name, self.kv_plan.num_pages, config.page_size,
-                 self.kv_plan.cache_bytes / 2**20, self.runner.num_executables, self.compile_seconds)
+                 self.kv_plan.cache_bytes / 2**20, self.runner.num_executables, self.compile_seconds,
+                 self.sharder.describe())
 
     @property
     def weight_bytes(self) -> int:
@@ -101,19 +115,33 @@ class LLMEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
-                       show_progress: bool = True) -> "LLMEngine":
+                       show_progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> "LLMEngine":
+        """Loads a checkpoint straight into this engine's shardings. Joins a multi-host run first when
+        config.coordinator_address is set."""
         from jaxserve.checkpoint import load_model
         from jaxserve.tokenizer import load_tokenizer
+        multihost.initialize(config.coordinator_address, config.num_processes, config.process_id)
         if config.compilation_cache_dir != "":
             enable_compilation_cache(config.compilation_cache_dir)
         model_cfg = ModelConfig.load(model_dir)
-        model = load_model(model_dir, dtype=resolve_dtype(config.dtype, model_cfg.dtype))
+        dtype = resolve_dtype(config.dtype, model_cfg.dtype)
+        mesh = mesh or engine_mesh(config)
+        sharder = model_sharder(model_cfg, mesh, numpy_dtype(dtype))
+        model = load_model(model_dir, dtype=dtype, sharding_for=sharder.sharding)
         tokenizer = load_tokenizer(model_dir, model_type=model_cfg.family)
-        return cls(model, config, tokenizer, show_progress=show_progress)
+        return cls(model, config, tokenizer, show_progress=show_progress, mesh=mesh)
 
     def _plan_kv(self, model: Llama) -> KVPlan:
-        return plan_kv_cache(model.cfg, self.config, self.max_model_len, self.kv_dtype.itemsize, free_device_memory(),
-                             KVCache.scale_bytes(self.kv_dtype))
+        """Pages of the KV cache: what fits on the fullest device of the mesh, each holding its share of KV heads."""
+        return plan_kv_cache(model.cfg, self.config, self.max_model_len, self.kv_dtype.itemsize,
+                             free_memory(self.sharder.mesh), KVCache.scale_bytes(self.kv_dtype),
+                             kv_shards=self.sharder.shards("kv_heads"))
+
+    def close(self) -> None:
+        """Ends a multi-host run: the followers stop after the steps already published (no-op otherwise)."""
+        if self.runner.mirror is not None:
+            self.runner.mirror.stop()
+            self.runner.mirror = None
 
     def _buckets(self) -> BucketTable:
         c = self.config
@@ -269,10 +297,7 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def _progress(description: str):
-    def wrap(items):
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            return items
-        return tqdm(items, desc=description, unit="shape", leave=False)
+    def wrap(items, total=None):
+        from tqdm import tqdm
+        return tqdm(items, desc=description, total=total, unit="executable", leave=False)
     return wrap

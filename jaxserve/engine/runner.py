@@ -6,13 +6,19 @@
 A step is `(params, kv, slots, inputs) -> (kv, slots, outputs)`. Inputs are a handful of small int32 arrays per
 step (block tables, context lengths, query starts, row slots, sample mask, flags); tokens are read on device from
 the slot token buffer, and only the sampled ids (and, when asked, logprobs) come back.
+
+On a mesh (jaxserve.parallel, tensor parallelism): params and the KV cache arrive placed on it (engine/placement),
+every executable is traced under the mesh and pins its outputs (the cache keeps its sharding, everything else is
+replicated), so GSPMD partitions the XLA ops and the attention runs under shard_map over KV heads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Callable
 
@@ -25,6 +31,7 @@ from jaxserve.engine.buckets import BucketError, BucketTable, StepShape
 from jaxserve.engine.sampler import SampleOutput, SamplingFlags, SlotState, assign_slot, sample
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models.llama import Llama
+from jaxserve.parallel import RULES, Sharder, single_device_mesh
 from jaxserve.sampling_params import MAX_TOP_LOGPROBS
 from jaxserve.scheduler.scheduler import StepPlan
 
@@ -130,7 +137,10 @@ class ModelRunner:
     """
 
     def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, attention_impl: str,
-                 compiler_options: dict | None = None, matmul_impl: str = "xla"):
+                 compiler_options: dict | None = None, matmul_impl: str = "xla", sharder: Sharder | None = None):
+        self.sharder = sharder or Sharder(single_device_mesh(), RULES)
+        self.replicated = self.sharder.replicated  # slots, step inputs and every output but the cache
+        self.mirror = None  # multi-host leader: jaxserve.engine.multihost.StepMirror, told each device call first
         self.graphdef, self.params = nnx.split(model)
         self.compiler_options = compiler_options
         self.cfg = model.cfg
@@ -142,54 +152,63 @@ class ModelRunner:
         self.model_executables: dict[StepShape, Callable] = {}
         self.sample_executables: dict[int, Callable] = {}
         self.prompt_lp_executables: dict[int, Callable] = {}
-        self._assign = jax.jit(assign_slot, donate_argnums=0)
+        self._assign = jax.jit(assign_slot, donate_argnums=0, out_shardings=self.replicated)
 
     @property
     def num_executables(self) -> int:
         return len(self.model_executables) + len(self.sample_executables) + len(self.prompt_lp_executables)
 
     # ---- compilation ----------------------------------------------------------------------------------------
-    def compile_all(self, progress: Callable | None = None) -> float:
-        """Compiles every bucket ahead of time; returns seconds spent."""
+    def compile_all(self, progress: Callable | None = None, workers: int | None = None) -> float:
+        """Compiles every bucket ahead of time, XLA compiles running in parallel threads (they release the GIL;
+        tracing and lowering stay on this thread). Returns seconds spent."""
         start = time.perf_counter()
         shapes = self.buckets.shapes()
-        jobs = [("model", shape) for shape in shapes]
-        jobs += [("sample", s) for s in sorted({shape.seqs for shape in shapes})]
-        jobs += [("prompt_lp", t) for t in sorted({shape.tokens for shape in shapes if shape.kind == "prefill"})]
-        for kind, key in (progress(jobs) if progress else jobs):
-            getattr(self, f"_compile_{kind}")(key)
+        with jax.set_mesh(self.sharder.mesh):  # shard_map inside the model finds its mesh here
+            jobs = [(self.model_executables, shape, self._lower_model(shape)) for shape in shapes]
+            jobs += [(self.sample_executables, s, self._lower_sample(s)) for s in sorted({x.seqs for x in shapes})]
+            jobs += [(self.prompt_lp_executables, t, self._lower_prompt_lp(t))
+                     for t in sorted({x.tokens for x in shapes if x.kind == "prefill"})]
+        with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+            futures = {pool.submit(lowered.compile, self.compiler_options): (table, key)
+                       for table, key, lowered in jobs}
+            done = concurrent.futures.as_completed(futures)
+            for future in (progress(done, total=len(futures)) if progress else done):
+                table, key = futures[future]
+                table[key] = future.result()
         return time.perf_counter() - start
 
-    def _compile_model(self, shape: StepShape) -> None:
+    def _lower_model(self, shape: StepShape):
         fn = functools.partial(model_step, self.graphdef, shape=shape, page_size=self.page_size,
                                attention_impl=self.attention_impl, matmul_impl=self.matmul_impl)
-        lowered = jax.jit(fn, donate_argnums=1).lower(self.params, self.kv, self.slots.tokens,
-                                                      self.abstract_inputs(shape))
-        self.model_executables[shape] = lowered.compile(self.compiler_options)
+        kv_shardings = jax.tree.map(lambda x: x.sharding, self.kv)
+        return jax.jit(fn, donate_argnums=1, out_shardings=(kv_shardings, self.replicated)).lower(
+            self.params, self.kv, self.slots.tokens, self.abstract_inputs(shape))
 
-    def _compile_sample(self, num_seqs: int) -> None:
-        logits = jax.ShapeDtypeStruct((num_seqs, self.cfg.vocab_size), jnp.float32)
+    def _lower_sample(self, num_seqs: int):
+        logits = jax.ShapeDtypeStruct((num_seqs, self.cfg.vocab_size), jnp.float32, sharding=self.replicated)
         i = self.abstract_inputs(StepShape("decode", num_seqs, num_seqs, 1))
-        self.sample_executables[num_seqs] = jax.jit(sample_step, donate_argnums=1).lower(
-            logits, self.slots, i.row_slots, i.context_lens, i.sample_mask, i.flags).compile(self.compiler_options)
+        return jax.jit(sample_step, donate_argnums=1, out_shardings=self.replicated).lower(
+            logits, self.slots, i.row_slots, i.context_lens, i.sample_mask, i.flags)
 
-    def _compile_prompt_lp(self, num_tokens: int) -> None:
-        i32 = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
-        hidden = jax.ShapeDtypeStruct((num_tokens, self.cfg.hidden_size), self.params["embed"][...].dtype)
+    def _lower_prompt_lp(self, num_tokens: int):
+        i32 = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
+        hidden = jax.ShapeDtypeStruct((num_tokens, self.cfg.hidden_size), self.params["embed"][...].dtype,
+                                      sharding=self.replicated)
         fn = functools.partial(prompt_logprobs_step, self.graphdef, matmul_impl=self.matmul_impl)
-        self.prompt_lp_executables[num_tokens] = jax.jit(fn).lower(self.params, hidden, self.slots.tokens, i32,
-                                                                    i32).compile(self.compiler_options)
+        return jax.jit(fn, out_shardings=self.replicated).lower(self.params, hidden, self.slots.tokens, i32, i32)
 
     def abstract_inputs(self, shape: StepShape) -> StepInputs:
         s, p = shape.seqs, shape.pages
-        i32 = jnp.int32
-        return StepInputs(jax.ShapeDtypeStruct((s, p), i32), jax.ShapeDtypeStruct((s,), i32),
-                          jax.ShapeDtypeStruct((s + 1,), i32), jax.ShapeDtypeStruct((s,), i32),
-                          jax.ShapeDtypeStruct((s,), jnp.bool_), jax.ShapeDtypeStruct((6,), jnp.bool_))
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=self.replicated)
+        bool_ = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bool_, sharding=self.replicated)
+        return StepInputs(i32((s, p)), i32((s,)), i32((s + 1,)), i32((s,)), bool_((s,)), bool_((6,)))
 
     # ---- execution ------------------------------------------------------------------------------------------
     def assign_slot(self, slot: int, row: dict) -> None:
-        self.slots = self._assign(self.slots, jnp.int32(slot), row)
+        if self.mirror is not None:
+            self.mirror.assign(slot, row)
+        self.slots = self._assign(self.slots, np.int32(slot), row)
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         max_pages = max(len(row.pages) for row in plan.seqs)
@@ -200,19 +219,26 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan, flags: SamplingFlags) -> PendingStep:
         """Starts the step on the device and returns at once (JAX dispatch is asynchronous)."""
         shape = self.shape_for(plan)
+        sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags), flags.prompt_logprobs)
+        return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
+
+    def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool
+            ) -> tuple[SampleOutput, PromptLogprobs | None]:
+        """The executables of one step, on padded inputs (a multi-host follower calls this with the leader's)."""
         executable = self.model_executables.get(shape)
         if executable is None:
             raise BucketError(f"{shape} is not in the compiled table")
-        inputs = build_inputs(plan, shape, flags)
+        if self.mirror is not None:
+            self.mirror.step(shape, inputs, prompt_logprobs)
         self.kv, model_out = executable(self.params, self.kv, self.slots.tokens, inputs)
         prompt_lp = None
-        if flags.prompt_logprobs:
+        if prompt_logprobs:
             prompt_lp = self.prompt_lp_executables[shape.tokens](self.params, model_out.hidden, self.slots.tokens,
                                                                  model_out.token_slots, model_out.positions)
         self.slots, sampled = self.sample_executables[shape.seqs](model_out.logits, self.slots, inputs.row_slots,
                                                                   inputs.context_lens, inputs.sample_mask,
                                                                   inputs.flags)
-        return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
+        return sampled, prompt_lp
 
 
 def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags) -> StepInputs:
