@@ -193,6 +193,7 @@ class EngineConfig:
     attention: str = "auto"  # auto | pallas | xla
     matmul: str = "auto"  # auto | pallas | xla (quantized weights only)
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True  # schedule and dispatch step N+1 before reading step N's tokens
     decode_buckets: tuple[int, ...] | None = None
     prefill_token_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] | None = None

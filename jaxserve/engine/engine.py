@@ -190,12 +190,16 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and dispatches the next step, then processes the previous one's results."""
+        """Schedules and dispatches the next step, then processes the previous one's results (or, without
+        async_scheduling, this step's own)."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         pending = self._dispatch(plan) if not plan.is_empty else None
         scheduled_at = time.perf_counter()
-        previous, self._in_flight = self._in_flight, pending
+        if self.config.async_scheduling:
+            previous, self._in_flight = self._in_flight, pending
+        else:
+            previous = pending
         outputs = self._finish_step(previous) if previous is not None else []
         self.stats.host_seconds += scheduled_at - started
         return outputs
