@@ -59,6 +59,17 @@ def test_server_flags_and_bad_values():
         engine_parser().parse_args(["--decode-buckets", "1,x"])
 
 
+def test_api_key_flag_or_environment(monkeypatch):
+    from jaxserve.server.command import add_arguments, server_config
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    assert server_config(parser.parse_args([])).api_key is None
+    monkeypatch.setenv("JAXSERVE_API_KEY", "sk-env")
+    assert server_config(parser.parse_args([])).api_key == "sk-env"
+    assert server_config(parser.parse_args(["--api-key", "sk-flag"])).api_key == "sk-flag"
+
+
 # ---- request validation -------------------------------------------------------------------------------------
 def test_valid_request_gets_defaults_and_integral_numbers_as_ints():
     body = parse_request(CompletionRequest, {"prompt": [[1.0, 2]], "max_tokens": 3.0, "n": None, "extra": 1})
@@ -114,8 +125,9 @@ class FakeEngine:
         self.fail_on_step = fail_on_step
         self.steps = 0
         self.scheduler = type("Scheduler", (), {"num_waiting": 0, "running": []})()
-        self.release = threading.Event()
+        self.release = threading.Event()  # clear it to hold the engine thread at the start of its next step
         self.release.set()
+        self.in_step = threading.Event()
 
     def add_request(self, request_id, prompt, params, priority=0, prompt_text=None):
         if params.max_tokens > 10:
@@ -132,6 +144,7 @@ class FakeEngine:
         return bool(self.progress)
 
     def step(self):
+        self.in_step.set()
         self.release.wait()
         self.steps += 1
         if self.fail_on_step == self.steps:
@@ -204,9 +217,9 @@ def test_requests_queued_behind_a_failing_step_are_rejected_not_left_waiting():
 
     async def scenario():
         first = await engine.add_request("a", [1], SamplingParams(max_tokens=5))
-        # The engine is now held inside its first step; "b" waits in the command queue when that step fails.
+        await asyncio.to_thread(fake.in_step.wait)  # held inside its first step: "b" stays in the command queue
         second = asyncio.ensure_future(engine.add_request("b", [1], SamplingParams(max_tokens=5)))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # let "b" reach the queue
         fake.release.set()
         outputs = [output async for output in first]
         with pytest.raises(EngineDeadError):

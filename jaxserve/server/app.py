@@ -88,7 +88,7 @@ async def openapi(request: Request) -> Response:
     return JSONResponse(openapi_document())
 
 
-ROUTES = [
+ROUTES = (
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
@@ -97,7 +97,7 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/openapi.json", openapi, methods=["GET"]),
-]
+)
 
 
 async def api_error(request: Request, exc: APIError) -> Response:
@@ -128,6 +128,6 @@ def build_app(server: ServerState) -> Starlette:
     ]
     handlers = {APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
                 Exception: unexpected_error}
-    app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=handlers)
+    app = Starlette(routes=list(ROUTES), middleware=middleware, exception_handlers=handlers)
     app.state.server = server
     return app

@@ -17,6 +17,7 @@ from jaxserve.server.config import ServerConfig
 
 DEFAULT_MODEL = "checkpoints/demo"
 API_KEY_ENV = "JAXSERVE_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 log = logging.getLogger("jaxserve.server")
 
@@ -47,9 +48,12 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     config = server_config(args)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if config.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {config.log_level!r}")
         directory = model_dir(args)
+        logging.basicConfig(level=config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine = start_engine(directory, engine_config_from_args(args), config)
     except (ConfigError, MemoryError, FileNotFoundError) as exc:
         print(f"jaxserve serve: error: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ class ServerConfig:
     retry_after: int = 1  # seconds a 429 asks the client to wait (Retry-After)
     max_request_bytes: int = 4 * 2**20  # larger request bodies get 413
     drain_timeout: float = 300.0  # on SIGTERM: seconds in-flight requests may take to finish before exit
-    log_level: str = "info"  # debug | info | warning | error
+    log_level: str = "info"  # debug | info | warning | error | critical
     access_log: bool = True  # one line per request, with its X-Request-Id
 
     def replace(self, **changes) -> "ServerConfig":

@@ -14,6 +14,7 @@ An explicit null means "not given": the field takes its default. Errors are 400s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -29,8 +30,9 @@ def param(schema: dict, default: Any = None, *, required: bool = False, descript
                                                         "description": description})
 
 
+@functools.cache
 def request_schema(model_class: type) -> dict:
-    """The JSON schema of a request model, as /openapi.json publishes it."""
+    """The JSON schema of a request model, as /openapi.json publishes it. Cached: callers must not mutate it."""
     properties, required = {}, []
     for field in dataclasses.fields(model_class):
         schema = dict(field.metadata["schema"])
@@ -251,13 +253,13 @@ def _check_property_names(value, schema, path):
             check(name, schema["propertyNames"], _join(path, name))
 
 
-_CHECKS = [
+_CHECKS = (
     ("enum", _check_enum), ("minimum", _check_minimum), ("maximum", _check_maximum),
     ("exclusiveMinimum", _check_exclusive_minimum), ("minLength", _check_min_length),
     ("maxLength", _check_max_length), ("pattern", _check_pattern), ("minItems", _check_min_items),
     ("maxItems", _check_max_items), ("maxProperties", _check_max_properties),
     ("propertyNames", _check_property_names),
-]
+)
 
 
 def _is_number(value: Any) -> bool:
