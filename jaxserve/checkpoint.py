@@ -6,6 +6,10 @@
       tokenizer.model | tokenizer.json, tokenizer_config.json, chat_template.jinja (whichever the source had)
 
 Loading restores straight into the requested dtype and shardings; nothing is materialised twice.
+
+Quantized checkpoints (`jaxserve convert --quantize`) record their schemes in the model config
+(`quantization`, `lm_head_quantization`); `abstract_model` then declares each quantized weight as
+`<path>/values` (int8 / packed uint8) and `<path>/scales` (float32, kept float32 whatever the load dtype).
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def load_model(model_dir: str | os.PathLike, dtype: str | None = None,
     def target(var: nnx.Variable):
         sharding = sharding_for(var.get_metadata()["axes"]) if sharding_for else default
         value = var.get_value()
-        dt = value.dtype if not np.issubdtype(value.dtype, np.floating) else run_dtype
+        keep = not np.issubdtype(value.dtype, np.floating) or var.get_metadata().get("keep_dtype", False)
+        dt = value.dtype if keep else run_dtype
         return var.replace(jax.ShapeDtypeStruct(value.shape, dt, sharding=sharding))
 
     targets = jax.tree.map(target, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -4,21 +4,31 @@ Everything that can be checked without reading tensor data is checked first (con
 names, shapes and dtypes), so a bad checkpoint fails within a second and leaves OUT_DIR untouched. Then each weight
 is preallocated at its stacked [layers, ...] shape in the target dtype and filled one HF tensor at a time: peak host
 memory is one copy of the converted model plus the tensor in hand.
+
+With `quantize` ("int8" / "int4", jaxserve.quant.schemes) the decoder projections (and, with `quantize_lm_head`,
+an untied LM head) are preallocated in their quantized layout, `<path>/values` and `<path>/scales`, and each HF
+tensor (one layer of one weight) is quantized as it is read, so peak memory is the quantized model plus one
+tensor. The schemes are recorded in jaxserve.json's model config: loading needs no flag. A float jaxserve
+checkpoint (one with jaxserve.json, e.g. the demo model) can be the source too: it is loaded and quantized whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.checkpoint import TOKENIZER_FILES, save_checkpoint
+from jaxserve.checkpoint import TOKENIZER_FILES, load_model, model_params_numpy, read_metadata, save_checkpoint
 from jaxserve.config import ConfigError, ModelConfig, model_config_from_hf
 from jaxserve.convert.hf_source import CONFIG, ConvertError, HFSource, TensorReader, open_source
 from jaxserve.convert.names import Target, expected_tensors, is_ignored
-from jaxserve.models.llama import numpy_dtype, weight_specs
+from jaxserve.models.llama import WeightSpec, numpy_dtype, weight_scheme, weight_specs
+from jaxserve.quant import schemes
+from jaxserve.quant.model import quantize_model, quantized_config
 
 OUTPUT_DTYPES = ("bfloat16", "float32")
 FLOAT_STORAGE = ("F32", "BF16", "F16")  # safetensors dtype names jaxserve converts
@@ -26,10 +36,15 @@ CHECKPOINT_ENTRIES = ("params", "jaxserve.json", *TOKENIZER_FILES)  # what save_
 
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, force: bool = False,
-            progress: bool = True) -> Path:
-    """Converts the Hugging Face model in `hf_dir` into `out_dir`; `dtype` defaults to the one in config.json."""
+            progress: bool = True, quantize: str | None = None, quantize_lm_head: str | None = None) -> Path:
+    """Converts the Hugging Face model in `hf_dir` into `out_dir`; `dtype` defaults to the one in config.json.
+    `quantize` ("int8" | "int4") stores the decoder projections weight-only quantized, `quantize_lm_head` the
+    untied LM head."""
+    if (Path(hf_dir) / "jaxserve.json").exists():
+        return quantize_checkpoint(hf_dir, out_dir, dtype=dtype, force=force, quantize=quantize,
+                                   quantize_lm_head=quantize_lm_head)
     source = open_source(hf_dir)
-    cfg = config_from_source(source, dtype)
+    cfg = config_from_source(source, dtype, quantize, quantize_lm_head)
     out = Path(out_dir)
     check_output_dir(out, source.directory, force)
     targets = expected_tensors(cfg)
@@ -42,16 +57,43 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None
                            extra={"hf_config": source.config})
 
 
-def config_from_source(source: HFSource, dtype: str | None) -> ModelConfig:
+def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, *, dtype: str | None, force: bool,
+                        quantize: str | None, quantize_lm_head: str | None) -> Path:
+    """A float jaxserve checkpoint -> the same model with quantized weights (loaded whole, then quantized)."""
+    src, out = Path(src_dir), Path(out_dir)
+    meta = read_metadata(src)
+    cfg = ModelConfig.from_json(meta["model"])
+    if cfg.quantization or cfg.lm_head_quantization:
+        raise ConvertError(f"{src} is already quantized ({cfg.quantization}); convert from the float model.")
+    if quantize is None and quantize_lm_head is None:
+        raise ConvertError(f"{src} is already a jaxserve checkpoint; pass --quantize to write a quantized copy.")
+    check_output_dir(out, src, force)
+    try:
+        model = quantize_model(load_model(src, dtype=dtype), quantize, quantize_lm_head)
+    except schemes.QuantizationError as e:
+        raise ConvertError(f"cannot quantize {src}: {e}.") from None
+    clear_previous_checkpoint(out)
+    extra = {k: v for k, v in meta.items() if k not in ("format", "model", "generation", "tokenizer_files")}
+    saved_cfg = dataclasses.replace(model.cfg, dtype=dtype or cfg.dtype)
+    return save_checkpoint(out, saved_cfg, model_params_numpy(model), tokenizer_dir=src,
+                           generation=meta.get("generation"), extra=extra)
+
+
+def config_from_source(source: HFSource, dtype: str | None, quantize: str | None = None,
+                       quantize_lm_head: str | None = None) -> ModelConfig:
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ConvertError(f"dtype {dtype!r} is not one jaxserve stores weights in; use {' or '.join(OUTPUT_DTYPES)}.")
     path = source.directory / CONFIG
     try:
-        return model_config_from_hf(source.config, source.generation, dtype)
+        cfg = model_config_from_hf(source.config, source.generation, dtype)
     except ConfigError as e:
         raise ConvertError(f"{path}: {e}") from None
     except KeyError as e:
         raise ConvertError(f"{path} has no {e.args[0]!r}; restore config.json from the model's repository.") from None
+    try:
+        return quantized_config(cfg, quantize, quantize_lm_head)
+    except schemes.QuantizationError as e:
+        raise ConvertError(f"cannot quantize {source.directory}: {e}.") from None
 
 
 def check_output_dir(out: Path, hf_dir: Path, force: bool) -> None:
@@ -104,15 +146,49 @@ def check_tensor_layouts(reader: TensorReader, targets: dict[str, Target], cfg: 
 
 def read_params(reader: TensorReader, targets: dict[str, Target], cfg: ModelConfig,
                 progress: bool) -> dict[str, np.ndarray]:
-    """Fills preallocated [layers, ...] arrays (flat paths, as in weight_specs) one HF tensor at a time."""
-    dtype = np.dtype(numpy_dtype(cfg.dtype))
-    params = {path: np.empty(spec.shape, dtype) for path, spec in weight_specs(cfg).items()}
+    """Fills preallocated [layers, ...] arrays (flat paths, as in weight_specs; quantized weights as
+    `<path>/values` and `<path>/scales`) one HF tensor at a time."""
+    params = allocate_params(cfg)
+    specs = weight_specs(cfg)
     in_file_order = sorted(targets, key=lambda name: (str(reader.shard(name)), name))
     for name in tqdm(in_file_order, desc="converting", unit="tensor", disable=not progress):
         target = targets[name]
-        dest = params[target.path] if target.layer is None else params[target.path][target.layer]
-        dest[...] = target.transform.apply(reader.read(name), target.shape)
+        weight = target.transform.apply(reader.read(name), target.shape)
+        scheme = weight_scheme(target.path, specs[target.path], cfg)
+        if scheme is None:
+            _destination(params, target.path, target.layer)[...] = weight
+            continue
+        values, scales = _quantize(weight, contract=specs[target.path].contract, scheme=scheme)
+        _destination(params, f"{target.path}/values", target.layer)[...] = values
+        _destination(params, f"{target.path}/scales", target.layer)[...] = scales
     return params
+
+
+_quantize = jax.jit(schemes.quantize, static_argnames=("contract", "scheme"))  # one tensor (one layer) at a time
+
+
+def allocate_params(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Uninitialised arrays for every weight in its stored layout, by flat path."""
+    dtype = np.dtype(numpy_dtype(cfg.dtype))
+    params = {}
+    for path, spec in weight_specs(cfg).items():
+        scheme = weight_scheme(path, spec, cfg)
+        if scheme is None:
+            params[path] = np.empty(spec.shape, dtype)
+        else:
+            params.update(_allocate_quantized(path, spec, scheme))
+    return params
+
+
+def _allocate_quantized(path: str, spec: WeightSpec, scheme: str) -> dict[str, np.ndarray]:
+    stacked = 1 if path.startswith("layers/") else 0
+    layout = schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked)
+    return {f"{path}/values": np.empty(layout.values_shape, layout.values_dtype),
+            f"{path}/scales": np.empty(layout.scales_shape, np.float32)}
+
+
+def _destination(params: dict[str, np.ndarray], path: str, layer: int | None) -> np.ndarray:
+    return params[path] if layer is None else params[path][layer]
 
 
 def _dimensions(cfg: ModelConfig) -> str:

@@ -31,6 +31,7 @@ from jaxserve.models.attention import attend_paged, reference_attention
 from jaxserve.models.linear import QuantizedWeight
 from jaxserve.models.linear import dense as _dense
 from jaxserve.quant import schemes
+from jaxserve.quant.kv import dequantize_kv, quantize_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +174,19 @@ class Llama(nnx.Module):
 
         return self._scan_layers(one_layer, (x, cache))
 
-    def forward_dense(self, tokens: jax.Array, matmul_impl: str = "xla") -> jax.Array:
-        """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal."""
+    def forward_dense(self, tokens: jax.Array, matmul_impl: str = "xla", kv_cache_dtype=None) -> jax.Array:
+        """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal.
+
+        kv_cache_dtype (int8 / float8_e4m3fn) rounds K and V as a quantized paged cache stores them (per token,
+        before attention), so scoring here gives what the engine computes with that cache."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
-        dense_attention = jax.vmap(lambda q, k, v: reference_attention(q, k, v, sliding_window=cfg.sliding_window))
+
+        def dense_attention(q, k, v):
+            if kv_cache_dtype is not None:
+                k, v = (dequantize_kv(*quantize_kv(t, kv_cache_dtype), t.dtype) for t in (k, v))
+            return jax.vmap(lambda *qkv: reference_attention(*qkv, sliding_window=cfg.sliding_window))(q, k, v)
 
         def one_layer(layer, x, index):
             return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, matmul_impl)[0]
