@@ -63,3 +63,11 @@ else
 fi
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -1 | tee -a "$OUT/summary.txt"
 echo "total $((SECONDS - START)) s"
+
+# ------------------------------------------------------------------------------------------------------------------
+# Quantization (issue 6): a separate script with its own time budget (QUANT_BUDGET_S, default 420 s), so it can
+# also run alone: `bash bench/gpu_check_quant.sh`. QUANT=0 skips it here. Its files in $OUT start with quant_ /
+# QUANT_ (see that script's header).
+if [[ "${QUANT:-1}" != "0" && -f bench/gpu_check_quant.sh ]]; then
+  OUT="$OUT" PYTHON="$PY" bash bench/gpu_check_quant.sh
+fi

@@ -3,8 +3,9 @@
 and end-to-end decode tokens/s of the engine per scheme.
 
     python bench/quant_speed.py --out quant.json                 # matmul rows + end-to-end (a GPU)
-    python bench/quant_speed.py --only matmul --sweep            # + launch-config sweep at M = 16
+    python bench/quant_speed.py --only sweep                     # launch-config sweep at M = 16
     python bench/quant_speed.py --smoke --out q.json             # tiny shapes, interpret mode, any machine
+    python bench/quant_speed.py --summarize a.json b.json --markdown QUANT.md    # tables from saved runs
 
 Matmul rows: M = 1, 16, 64, 256 tokens through the Llama-3-8B MLP shapes K x N = 4096 x 14336 (gate/up) and
 14336 x 4096 (down), bfloat16 activations and output. Each timing chains `chain` dependent calls inside one jit
@@ -257,17 +258,34 @@ def _best_sweep(rows) -> list[str]:
     return out
 
 
+def summarize_files(paths: list[str], markdown: str | None) -> dict:
+    """One summary over several saved runs (missing files are skipped: a phase may have hit its time cap)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths if Path(p).exists()]
+    if not runs:
+        print(f"no results in {paths}")
+        return {}
+    merged = dict(runs[0], rows=[row for run in runs for row in run.get("rows", [])])
+    lines = summarize(merged)
+    print("\n".join(lines))
+    if markdown:
+        Path(markdown).write_text("\n".join(lines) + "\n")
+    return merged
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)")
-    ap.add_argument("--only", choices=("matmul", "e2e"), help="run one section")
+    ap.add_argument("--only", choices=("matmul", "e2e", "sweep"), help="run one section")
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs at M = 16")
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the tables of saved runs and exit")
     ap.add_argument("--e2e-schemes", nargs="+", default=["bf16", "int8", "int4", "int8+kv-int8"])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", help="write results (JSON) after every section")
     ap.add_argument("--markdown", help="write the summary table as Markdown")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize_files(args.summarize, args.markdown)
     setup = SMOKE if args.smoke else GPU
     copy_bw = copy_bandwidth(setup)
     device = jax.devices()[0]
@@ -277,7 +295,7 @@ def main(argv=None) -> dict:
         record(results, bench_matmul(setup, copy_bw), args.out)
     if args.only in (None, "e2e"):
         record(results, bench_e2e(args, args.e2e_schemes), args.out)
-    if args.sweep:
+    if args.sweep or args.only == "sweep":
         record(results, sweep(setup, copy_bw), args.out)
     lines = summarize(results)
     print("\n".join(lines))
