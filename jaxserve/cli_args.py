@@ -33,7 +33,8 @@ ENGINE_FLAG_HELP = {
     "decode_buckets": "decode batch-size ladder (default: powers of two up to --max-num-seqs)",
     "prefill_token_buckets": "prefill token-count ladder (default: powers of four from 16 up to "
                              "--max-num-batched-tokens)",
-    "prefill_seq_buckets": "prefill sequence-count ladder (default: powers of four from 4 up to --max-num-seqs)",
+    "prefill_seq_buckets": "prefill sequence-count ladder, each S paired with every token bucket T >= S (default: "
+                           "one S = min(T, --max-num-seqs) per token bucket)",
     "context_buckets": "context-length ladder in tokens, rounded to pages (default: powers of four from 16 pages "
                        "up to --max-model-len; one rung with Pallas attention)",
     "compilation_cache_dir": "JAX's persistent compilation cache; \"\" disables it (default: $JAXSERVE_CACHE_DIR, "
