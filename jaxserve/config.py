@@ -201,8 +201,11 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # "" disables JAX's persistent compilation cache
     xla_optimization_level: int | None = None  # XLA backend optimisation level (tests use 0 to compile fast)
     seed: int = 0
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # devices to shard the model over (tensor parallelism; docs/parallel.md)
+    data_parallel_size: int = 1  # model replicas, each on its own tensor_parallel_size devices, behind one front
+    coordinator_address: str | None = None  # multi-host: process 0's HOST:PORT, the same on every host
+    num_processes: int | None = None  # multi-host: processes (hosts) in the run
+    process_id: int | None = None  # multi-host: this process's rank, 0..num_processes-1 (0 serves and schedules)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is not None:

@@ -35,11 +35,12 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, scale_bytes: int = 0) ->
 
 
 def plan_kv_cache(cfg: ModelConfig, engine: EngineConfig, max_model_len: int, itemsize: int,
-                  free_bytes: int, scale_bytes: int = 0) -> KVPlan:
+                  free_bytes: int, scale_bytes: int = 0, kv_shards: int = 1) -> KVPlan:
     """Pages for the KV cache: the explicit budget, else `kv_cache_fraction` of free memory; never more than
-    max_num_seqs full-length sequences need (plus the null page)."""
+    max_num_seqs full-length sequences need (plus the null page). Budgets and bytes are per device: with the KV
+    heads split over `kv_shards` devices (tensor parallelism), a page takes 1/kv_shards of its bytes on each."""
     page_size = engine.page_size
-    bytes_per_page = kv_bytes_per_token(cfg, itemsize, scale_bytes) * page_size
+    bytes_per_page = kv_bytes_per_token(cfg, itemsize, scale_bytes) * page_size // kv_shards
     wanted = engine.max_num_seqs * math.ceil(max_model_len / page_size) + 1
     budget = int(engine.kv_cache_memory) if engine.kv_cache_memory else int(free_bytes * engine.kv_cache_fraction)
     num_pages = min(wanted, budget // bytes_per_page)

@@ -24,8 +24,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxserve.quant.kv import SCALE_BYTES, has_scales, quantize_kv
+
+CACHE_AXES = ("layers", "kv_heads", "pages", "page_size", "head_dim")  # logical axes of k, v (scales: the first 4)
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +68,11 @@ class KVCache:
     def scale_bytes(dtype) -> int:
         """Bytes of scale per token, KV head and K/V: 4 for int8 caches, else 0."""
         return SCALE_BYTES if has_scales(dtype) else 0
+
+    def logical_specs(self) -> "KVCache":
+        """This cache with each array (or abstract array) replaced by its logical axes, as a PartitionSpec of
+        logical names (jaxserve.parallel maps them to the mesh: the cache splits on kv_heads)."""
+        return jax.tree.map(lambda x: PartitionSpec(*CACHE_AXES[:x.ndim]), self)
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> "KVCache":
         """Quantizes (for int8/fp8 caches) and scatters new K/V [T, kv_heads, head_dim]; see write_kv."""

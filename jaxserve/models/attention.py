@@ -5,6 +5,11 @@ One dispatch (`impl`): "xla" runs the jnp implementation below everywhere; "pall
 
 Quantized caches (int8 with per-token scales, fp8; jaxserve.quant.kv) are dequantized on load by both paths:
 the cache values are cast to the query dtype, K's scales multiply the logits and V's the probabilities.
+
+Tensor parallelism: attention is independent per KV head, so both paths run under shard_map over kv_heads
+(jaxserve.parallel.shard_map_logical): each device writes and attends its own heads' slice of the cache, with no
+communication. Queries enter grouped by KV head, [T, kv_heads, q_per_kv, head_dim], so their heads split with
+their KV heads. With fewer KV heads than devices everything stays whole (replicated) on every device.
 """
 
 from __future__ import annotations
@@ -13,8 +18,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.kv.cache import AttentionMetadata, KVCache
+from jaxserve.parallel import shard_map_logical
+
+BY_KV_HEAD = P(None, "kv_heads")  # q [T, kv_heads, q_per_kv, head_dim]; k, v, out [T, kv_heads, head_dim]
 
 XLA_QUERY_BLOCK = 16  # query tokens per block in the ragged XLA path
 
@@ -22,7 +31,23 @@ XLA_QUERY_BLOCK = 16  # query tokens per block in the ragged XLA path
 def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
                  meta: AttentionMetadata, *, sliding_window: int | None, impl: str) -> tuple[jax.Array, KVCache]:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Writes k, v (quantizing them for an int8/fp8
-    cache), then attends. Returns (out [T, heads, head_dim], the updated cache)."""
+    cache), then attends. Returns (out [T, heads, head_dim], the updated cache). Split over KV heads when a mesh
+    is in context (see the module docstring)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    local = functools.partial(_attend_local_heads, sliding_window=sliding_window, impl=impl)
+    cache_specs = cache.logical_specs()
+    out, cache = shard_map_logical(local, in_specs=(BY_KV_HEAD, BY_KV_HEAD, BY_KV_HEAD, cache_specs, P(), P()),
+                                   out_specs=(BY_KV_HEAD, cache_specs))(q.reshape(t, kvh, h // kvh, d), k, v, cache,
+                                                                        layer, meta)
+    return out.reshape(t, h, d), cache
+
+
+def _attend_local_heads(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
+                        meta: AttentionMetadata, *, sliding_window: int | None, impl: str):
+    """attend_paged on the KV heads one device holds: q [T, kvh, q_per_kv, d] -> out [T, kvh, q_per_kv, d]."""
+    t, kvh, group, d = q.shape
+    q = q.reshape(t, kvh * group, d)
     cache = cache.write(layer, k, v, meta.slot_mapping)
     scale = q.shape[-1] ** -0.5
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -37,7 +62,7 @@ def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer
                                        **scales)
     else:
         raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
-    return out.astype(q.dtype), cache
+    return out.astype(q.dtype).reshape(t, kvh, group, d), cache
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
