@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.engine.llm import LLM
+    from jaxserve.engine.multihost import follow_if_follower
     if not (Path(args.model) / "jaxserve.json").exists():
         print(f"error: {args.model} is not a jaxserve checkpoint; convert one with `jaxserve convert`", file=sys.stderr)
         return 1
@@ -42,6 +43,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     llm = LLM(args.model, **_engine_options(args))
+    if follow_if_follower(llm.engine):
+        return 0  # a multi-host follower: it ran the leader's steps until the leader finished
+    try:
+        return _generate(llm, args, params)
+    finally:
+        llm.engine.close()  # multi-host leader: releases the followers
+
+
+def _generate(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     if args.chat:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]

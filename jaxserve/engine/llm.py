@@ -8,6 +8,7 @@ from typing import Iterator, Sequence as Seq
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.replicas import DataParallelEngine, build_engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -15,14 +16,15 @@ Prompt = str | Seq[int]
 
 
 class LLM:
-    """A model loaded for offline generation. Engine options are EngineConfig fields (max_num_seqs=..., ...)."""
+    """A model loaded for offline generation. Engine options are EngineConfig fields (max_num_seqs=...,
+    tensor_parallel_size=..., data_parallel_size=...: replicas behind one DataParallelEngine)."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, engine: LLMEngine | None = None,
-                 show_progress: bool = True, **engine_options):
+    def __init__(self, model: str | os.PathLike | None = None, *,
+                 engine: LLMEngine | DataParallelEngine | None = None, show_progress: bool = True, **engine_options):
         if engine is None:
             if model is None:
                 raise ValueError("LLM needs a model directory")
-            engine = LLMEngine.from_model_dir(model, EngineConfig(**engine_options), show_progress=show_progress)
+            engine = build_engine(model, EngineConfig(**engine_options), show_progress=show_progress)
         self.engine = engine
         self._ids = itertools.count()
 

@@ -1,0 +1,273 @@
+"""Data parallelism: M engine replicas, each on its own row of the [data, model] mesh, behind one front.
+
+    front (one admission limit)  --least loaded-->  replica 0: LLMEngine on devices 0..tp-1
+                                                    replica 1: LLMEngine on devices tp..2tp-1   ...
+
+Least loaded = fewest requests routed to it and not finished yet (running + waiting + still in its queue),
+counted by the front itself, so a burst of arrivals spreads out before any replica has stepped; ties go to the
+lowest index. A request stays on its replica for its whole life.
+
+Two fronts with the interfaces their callers already use:
+    DataParallelEngine   LLMEngine's (add_request / abort_request / step / has_unfinished_requests): offline LLM
+    ReplicaRouter        AsyncEngine's (start / add_request / generate / abort / is_alive / num_waiting /
+                         num_running / stop): the HTTP server; each replica runs on its own AsyncEngine thread
+
+`build_engine` and `start_async_engine` pick a plain engine when data_parallel_size is 1.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import AsyncIterator, Sequence as Seq
+
+import jax
+
+from jaxserve.config import ConfigError, EngineConfig
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.multihost import follow_if_follower
+from jaxserve.outputs import RequestOutput
+from jaxserve.parallel import MeshError, make_mesh, replica_meshes
+from jaxserve.parallel.multihost import initialize
+from jaxserve.sampling_params import SamplingParams
+
+
+def data_parallel_meshes(config: EngineConfig) -> list[jax.sharding.Mesh]:
+    """One mesh per replica: the rows of a [data_parallel_size, tensor_parallel_size] mesh."""
+    if jax.process_count() > 1:
+        raise ConfigError("data_parallel_size > 1 is single-host for now: run one jaxserve per host, or one "
+                          "multi-host tensor-parallel model (docs/parallel.md)")
+    try:
+        return replica_meshes(make_mesh(config.tensor_parallel_size, config.data_parallel_size))
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_replicas(model_dir: str | os.PathLike, config: EngineConfig, show_progress: bool = True
+                   ) -> list[LLMEngine]:
+    """Each replica restores the checkpoint straight into its own devices and compiles its own executables."""
+    return [LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress, mesh=mesh)
+            for mesh in data_parallel_meshes(config)]
+
+
+def least_loaded(loads: Seq[int]) -> int:
+    return min(range(len(loads)), key=lambda i: (loads[i], i))
+
+
+class DataParallelEngine:
+    """Synchronous replicas for offline generation. step() steps every replica that has work: each dispatches its
+    next step before waiting for its previous one, so the replicas' devices overlap."""
+
+    def __init__(self, replicas: Seq[LLMEngine]):
+        if not replicas:
+            raise ValueError("DataParallelEngine needs at least one replica")
+        self.replicas = list(replicas)
+        self._replica_of: dict[str, LLMEngine] = {}
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def model_config(self):
+        return self.replicas[0].model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **kwargs):
+        replica = self.replicas[least_loaded([len(r.requests) for r in self.replicas])]
+        state = replica.add_request(request_id, prompt, params, **kwargs)
+        self._replica_of[request_id] = replica
+        return state
+
+    def replica_index(self, request_id: str) -> int | None:
+        """Which replica an unfinished request runs on."""
+        replica = self._replica_of.get(request_id)
+        return self.replicas.index(replica) if replica is not None else None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        replica = self._replica_of.pop(request_id, None)
+        return replica.abort_request(request_id) if replica is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for replica in self.replicas:
+            if replica.has_unfinished_requests():
+                outputs.extend(replica.step())
+        for output in outputs:
+            if output.finished:
+                self._replica_of.pop(output.request_id, None)
+        return outputs
+
+    def run_until_done(self) -> list[RequestOutput]:
+        finals = []
+        while self.has_unfinished_requests():
+            finals.extend(o for o in self.step() if o.finished)
+        return finals
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+
+class ReplicaRouter:
+    """AsyncEngine's interface over several AsyncEngines. `engine` is replica 0's LLMEngine (tokenizer, model
+    config, max_model_len are the same on every replica); `replicas` are the AsyncEngines."""
+
+    def __init__(self, replicas: Seq[AsyncEngine], max_queued_requests: int | None = None):
+        self.replicas = list(replicas)
+        self.max_queued_requests = max_queued_requests
+        self._load = [0] * len(self.replicas)  # routed and not finished, per replica
+        self._replica_of: dict[str, int] = {}
+        self._admitting = 0  # add_request calls waiting for a replica to accept them
+
+    # ---- AsyncEngine's interface ----------------------------------------------------------------------------
+    @property
+    def engine(self) -> LLMEngine:
+        return self.replicas[0].engine
+
+    @property
+    def is_alive(self) -> bool:
+        return all(r.is_alive for r in self.replicas)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((r.error for r in self.replicas if r.error is not None), None)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.num_running for r in self.replicas)
+
+    @property
+    def loads(self) -> list[int]:
+        return list(self._load)
+
+    def start(self) -> "ReplicaRouter":
+        for replica in self.replicas:
+            replica.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        for replica in self.replicas:
+            replica.stop(timeout)
+
+    async def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
+                          priority: int = 0, prompt_text: str | None = None) -> "RoutedStream":
+        """Routes to the least-loaded replica; raises as AsyncEngine.add_request does (QueueFullError against the
+        shared limit: every replica's waiting requests together)."""
+        self._admit()
+        index = least_loaded(self._load)
+        self._load[index] += 1
+        self._replica_of[request_id] = index
+        self._admitting += 1
+        try:
+            stream = await self.replicas[index].add_request(request_id, prompt, params, priority=priority,
+                                                            prompt_text=prompt_text)
+        except BaseException:
+            self._release(request_id)
+            raise
+        finally:
+            self._admitting -= 1
+        return RoutedStream(stream, lambda: self._release(request_id))
+
+    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
+                       priority: int = 0, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, priority=priority, prompt_text=prompt_text)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        index = self._replica_of.get(request_id)
+        if index is not None:
+            self.replicas[index].abort(request_id)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"a replica is not running: {self.error!r}")
+        if self.max_queued_requests is not None and self.num_waiting + self._admitting >= self.max_queued_requests:
+            raise QueueFullError(f"{self.num_waiting + self._admitting} requests are already waiting")
+
+    def _release(self, request_id: str) -> None:
+        index = self._replica_of.pop(request_id, None)
+        if index is not None:
+            self._load[index] -= 1
+
+
+class RoutedStream:
+    """A replica's request stream that tells the router when the request is over (finished or closed)."""
+
+    def __init__(self, stream, on_done):
+        self.request_id = stream.request_id
+        self._stream = stream
+        self._on_done = on_done
+
+    @property
+    def finished(self) -> bool:
+        return self._stream.finished
+
+    def __aiter__(self) -> "RoutedStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            output = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self._done()
+            raise
+        if output.finished:
+            self._done()
+        return output
+
+    def close(self) -> None:
+        self._stream.close()
+        self._done()
+
+    def _done(self) -> None:
+        if self._on_done is not None:
+            self._on_done, on_done = None, self._on_done
+            on_done()
+
+
+def build_engine(model_dir: str | os.PathLike, config: EngineConfig, show_progress: bool = True
+                 ) -> LLMEngine | DataParallelEngine:
+    """The offline engine for `config`: one LLMEngine, or replicas when data_parallel_size > 1."""
+    if config.data_parallel_size == 1:
+        return LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress)
+    initialize(config.coordinator_address, config.num_processes, config.process_id)
+    return DataParallelEngine(build_replicas(model_dir, config, show_progress))
+
+
+def start_async_engine(model_dir: str | os.PathLike, config: EngineConfig, max_queued_requests: int | None = None,
+                       show_progress: bool = True) -> AsyncEngine | ReplicaRouter | None:
+    """The server's engine, started: one AsyncEngine, or a ReplicaRouter over data_parallel_size of them sharing
+    `max_queued_requests`. Multi-host: process 0 gets an AsyncEngine that also releases the followers when
+    stopped; any other process runs the leader's steps until it stops, then gets None (serve nothing, exit)."""
+    if config.data_parallel_size == 1:
+        engine = LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress)
+        if follow_if_follower(engine):
+            return None
+        return LeaderAsyncEngine(engine, max_queued_requests).start()
+    initialize(config.coordinator_address, config.num_processes, config.process_id)
+    replicas = [AsyncEngine(engine) for engine in build_replicas(model_dir, config, show_progress)]
+    return ReplicaRouter(replicas, max_queued_requests).start()
+
+
+class LeaderAsyncEngine(AsyncEngine):
+    """AsyncEngine whose stop() also ends a multi-host run (LLMEngine.close: the followers return)."""
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        super().stop(timeout)
+        self.engine.close()
