@@ -8,17 +8,21 @@
 
 (The format is jaxserve.quant.schemes'; this module depends on jax only and restates what it reads.)
 
-Kernel grid (M / block_m, N / block_n, splits). Program (i, j, s) walks the s-th share of K in block_k tiles:
-it loads the x tile and the weight tile, converts the weight to x's dtype in registers (int8 and int4 values are
-exact in bfloat16), multiplies on the tensor cores (the Triton dot needs equal operand dtypes and >= 16 rows:
-the wrapper pads M) and accumulates in float32. int8 applies its per-channel scale once, in the epilogue; int4
-scales each k-tile's partial product (a tile never straddles a group: block_k divides G) before adding it.
-With several splits (split-K: a decode-sized M over few output tiles still fills the GPU) each split writes
-scaled float32 partials and a jnp sum combines them.
+Kernel grid (cdiv(M, block_m), N / block_n, splits). Program (i, j, s) walks the s-th share of K in block_k
+tiles: it loads the x tile and the weight tile, converts the weight to x's dtype in registers (int8 and int4
+values are exact in bfloat16), multiplies on the tensor cores (the Triton dot needs equal operand dtypes and
+>= 16 rows: rows past M are masked off on load and store, so x is never padded in memory) and accumulates in
+float32. int8 applies its per-channel scale once, in the epilogue; int4 scales each k-tile's partial product
+(a tile never straddles a group: block_k divides G) before adding it. With several splits (split-K: a
+decode-sized M over few output tiles still fills the GPU) each split writes scaled float32 partials and a jnp
+sum combines them; with one split the kernel writes out_dtype directly and nothing runs around it.
 
-int4 reads x as two planes, x_even = x[:, 0::2] for the low nibbles and x_odd = x[:, 1::2] for the high ones
-(split once by the wrapper), so the packed tile [block_k / 2, block_n] unpacks into two dot operands with no
-interleaving in registers: out = x_even @ low + x_odd @ high.
+int4 reads x as two planes, x_even (k = 0, 2, ..) for the low nibbles and x_odd for the high ones, so the packed
+tile [block_k / 2, block_n] unpacks into two dot operands with no interleaving in registers:
+out = x_even @ low + x_odd @ high. For M <= STRIDED_X_MAX_ROWS (decode) the kernel reads the planes straight
+from the free view x[M, K / 2, 2] (stride-2 loads of a small x; no op runs before the kernel); for larger M
+(prefill) the wrapper splits x once into two contiguous planes, whose tiles Triton then pipelines with cp.async
+(strided 2-byte loads cannot be; at 128 rows they also cost registers and spill).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ SCHEMES = ("int8", "int4")
 MAX_BLOCK_K = 128
 MIN_K_TILES_PER_SPLIT = 4  # a split's fixed cost (its partial write and the combine) wants a few tiles of work
 PROGRAMS_PER_SM = 2
+STRIDED_X_MAX_ROWS = 64  # int4: above this M the wrapper splits x into contiguous even / odd planes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,7 @@ class MatmulConfig:
     splits: int = 1  # split-K shares
     num_warps: int = 4
     num_stages: int = 4
+    x_planes: bool | None = None  # int4: split x into contiguous even/odd planes first (None: when M > 64)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -94,62 +100,103 @@ def check_config(k: int, n: int, scheme: str, group: int | None, config: MatmulC
                          f"k-tile ({config.block_k}) must divide the group ({group})")
 
 
-def _int8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int):
+def _rows_mask(m: int, block_m: int):
+    """[block_m, 1] bool: which rows of this program's block are real (None when M is a multiple of block_m)."""
+    if m % block_m == 0:
+        return None
+    return (pl.program_id(0) * block_m + lax.iota(jnp.int32, block_m) < m)[:, None]
+
+
+def _load_rows(ref, mask):
+    return ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def _store_rows(ref, value, mask):
+    if mask is None:
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, mask=mask)
+
+
+def _int8_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_k: int):
     """x_ref [block_m, K_share]; w_ref [K_share, block_n] int8; s_ref [block_n]; o_ref [block_m, block_n]."""
+    rows = _rows_mask(m, o_ref.shape[0])
+
     def body(t, acc):
         k0 = pl.multiple_of(t * block_k, block_k)
-        x = x_ref[:, pl.ds(k0, block_k)]
+        x = _load_rows(x_ref.at[:, pl.ds(k0, block_k)], rows)
         w = w_ref[pl.ds(k0, block_k), :].astype(x.dtype)
         return acc + c.dot(x, w)
 
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    acc = lax.fori_loop(0, w_ref.shape[0] // block_k, body, acc)
-    o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)
+    acc = lax.fori_loop(0, w_ref.shape[0] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+    _store_rows(o_ref, (acc * s_ref[...][None, :]).astype(o_ref.dtype), rows)
 
 
-def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, o_ref, *, block_k: int, group: int):
-    """xe_ref, xo_ref [block_m, K_share / 2]: x's even / odd columns; w_ref [K_share / 2, block_n] uint8;
-    s_ref [K_share / G, block_n]; o_ref [block_m, block_n]."""
+def _int4_kernel(*refs, m: int, block_k: int, group: int, planes: bool):
+    """planes: xe_ref, xo_ref [block_m, K_share / 2] (x's even / odd columns); else x_ref [block_m, K_share / 2, 2]
+    (the pair view). Then w_ref [K_share / 2, block_n] uint8, s_ref [K_share / G, block_n], o_ref [block_m,
+    block_n]."""
+    *x_refs, w_ref, s_ref, o_ref = refs
+    rows = _rows_mask(m, o_ref.shape[0])
     half = block_k // 2
     tiles_per_group = group // block_k
 
+    def x_plane(parity: int, r0):
+        if planes:
+            return x_refs[parity].at[:, pl.ds(r0, half)]
+        return x_refs[0].at[:, pl.ds(r0, half), jnp.int32(parity)]
+
     def body(t, acc):
         r0 = pl.multiple_of(t * half, half)
-        xe = xe_ref[:, pl.ds(r0, half)]
+        x_even, x_odd = _load_rows(x_plane(0, r0), rows), _load_rows(x_plane(1, r0), rows)
         packed = w_ref[pl.ds(r0, half), :]
-        low = (packed & 15).astype(xe.dtype) - 8
-        high = (packed >> 4).astype(xe.dtype) - 8
-        part = c.dot(xe, low) + c.dot(xo_ref[:, pl.ds(r0, half)], high)
+        low = (packed & 15).astype(x_even.dtype) - 8
+        high = (packed >> 4).astype(x_even.dtype) - 8
+        part = c.dot(x_even, low) + c.dot(x_odd, high)
         return acc + part * s_ref[c.div(t, tiles_per_group), :][None, :]
 
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    acc = lax.fori_loop(0, w_ref.shape[0] // half, body, acc)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = lax.fori_loop(0, w_ref.shape[0] // half, body, jnp.zeros(o_ref.shape, jnp.float32))
+    _store_rows(o_ref, acc.astype(o_ref.dtype), rows)
 
 
-def _call(x_planes, values, scales, *, scheme, group, config: MatmulConfig, out_dtype, interpret):
-    """x_planes: (x [Mp, K],) or (x_even, x_odd) [Mp, K / 2] -> out [splits, Mp, N]."""
-    m_pad, n = x_planes[0].shape[0], values.shape[1]
-    share_x = x_planes[0].shape[1] // config.splits  # K / splits (int4: halved, like the packed rows)
+def _call(xs, values, scales, *, scheme, group, config: MatmulConfig, out_dtype, interpret):
+    """xs: (x [M, K],) for int8; int4: (x_even, x_odd) [M, K / 2] planes or (the pair view [M, K / 2, 2],).
+    -> out [splits, M, N]."""
+    m, n = xs[0].shape[0], values.shape[1]
+    share_x = xs[0].shape[1] // config.splits  # K / splits (int4: pairs, like the packed rows)
     share_w = values.shape[0] // config.splits
-    x_spec = pl.BlockSpec((config.block_m, share_x), lambda i, j, s: (i, s))
+    grid = (-(-m // config.block_m), n // config.block_n, config.splits)
     w_spec = pl.BlockSpec((share_w, config.block_n), lambda i, j, s: (s, j))
+    if xs[0].ndim == 3:
+        x_spec = pl.BlockSpec((config.block_m, share_x, 2), lambda i, j, s: (i, s, 0))
+    else:
+        x_spec = pl.BlockSpec((config.block_m, share_x), lambda i, j, s: (i, s))
     if scheme == "int8":
-        kernel = functools.partial(_int8_kernel, block_k=config.block_k)
+        kernel = functools.partial(_int8_kernel, m=m, block_k=config.block_k)
         s_spec = pl.BlockSpec((config.block_n,), lambda i, j, s: (j,))
     else:
-        kernel = functools.partial(_int4_kernel, block_k=config.block_k, group=group)
+        kernel = functools.partial(_int4_kernel, m=m, block_k=config.block_k, group=group, planes=len(xs) == 2)
         s_spec = pl.BlockSpec((scales.shape[0] // config.splits, config.block_n), lambda i, j, s: (s, j))
     return pl.pallas_call(
         kernel,
-        grid=(m_pad // config.block_m, n // config.block_n, config.splits),
-        in_specs=[x_spec] * len(x_planes) + [w_spec, s_spec],
+        grid=grid,
+        in_specs=[x_spec] * len(xs) + [w_spec, s_spec],
         out_specs=pl.BlockSpec((None, config.block_m, config.block_n), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((config.splits, m_pad, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((config.splits, m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"jaxserve_w{scheme[3:]}a16_matmul",
-    )(*x_planes, values, scales)
+    )(*xs, values, scales)
+
+
+def x_operands(x: jax.Array, scheme: str, planes: bool | None = None) -> tuple[jax.Array, ...]:
+    """What the kernel reads x as (see the module docstring): x itself, or int4's pair view or planes."""
+    if scheme == "int8":
+        return (x,)
+    m, k = x.shape
+    if not (m > STRIDED_X_MAX_ROWS if planes is None else planes):
+        return (x.reshape(m, k // 2, 2),)
+    return x[:, 0::2], x[:, 1::2]
 
 
 def matrix_k(values: jax.Array, scheme: str) -> int:
@@ -173,14 +220,10 @@ def quant_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, scheme: 
     group = group_of(values, scales, scheme)
     config = config or choose_config(m, k, n, scheme, group, c.num_sms())
     check_config(k, n, scheme, group, config)
-    m_pad = -(-m // config.block_m) * config.block_m
-    x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    planes = (x,) if scheme == "int8" else (x[:, 0::2], x[:, 1::2])
     partial_dtype = out_dtype if config.splits == 1 else jnp.float32
-    out = _call(planes, values, scales, scheme=scheme, group=group, config=config, out_dtype=partial_dtype,
-                interpret=interpret)
-    out = out[0] if config.splits == 1 else out.sum(axis=0)
-    return out[:m].astype(out_dtype)
+    out = _call(x_operands(x, scheme, config.x_planes), values, scales, scheme=scheme, group=group, config=config,
+                out_dtype=partial_dtype, interpret=interpret)
+    return out[0] if config.splits == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 def unpack_int4_reference(values: jax.Array) -> jax.Array:

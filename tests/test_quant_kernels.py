@@ -51,8 +51,8 @@ def _jit(fn, **static):
 
 # ---------------------------------------------------------------------------------------------- matmul
 
-# (scheme, M, K, N, dtype, config): decode-sized and prefill-sized M, M not a multiple of 16, split-K, the demo
-# model's w_down (K = 704: int4 group 64), and tiles the heuristic picks.
+# (scheme, M, K, N, dtype, config): decode-sized and prefill-sized M, M not a multiple of the row block (masked
+# rows), split-K, the demo model's w_down (K = 704: int4 group 64), both ways int4 reads x, and default tiles.
 MATMUL_CASES = [
     ("int8", 1, 256, 64, "float32", None),
     ("int8", 33, 384, 96, "bfloat16", None),
@@ -60,6 +60,8 @@ MATMUL_CASES = [
     ("int4", 1, 256, 64, "float32", None),
     ("int4", 20, 512, 128, "bfloat16", qm.MatmulConfig(block_m=32, block_k=64, splits=2)),
     ("int4", 3, 704, 256, "bfloat16", None),
+    ("int4", 5, 256, 64, "bfloat16", qm.MatmulConfig(x_planes=True)),  # decode M through contiguous planes
+    ("int4", 70, 256, 64, "bfloat16", None),  # M > 64: planes by default, a partial 128-row block
 ]
 
 
