@@ -10,7 +10,6 @@ Single-threaded and synchronous from the caller's point of view; `AsyncEngine` r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -156,7 +155,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    prompt_text: str | None = None) -> RequestState:
+                    prompt_text: str | None = None, stream: bool = True) -> RequestState:
         """Validates and queues a request. Raises ValueError with a message fit for a 400 response.
         `prompt` is text or token ids; with ids, `prompt_text` is the text they came from (for outputs)."""
         params = params or SamplingParams()
@@ -167,7 +166,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = self.scheduler.add_request(request_id, prompt_ids, params, arrival, priority)
-        state = RequestState(request_id, prompt_text, prompt_ids, params, seqs, self.tokenizer, arrival)
+        state = RequestState(request_id, prompt_text, prompt_ids, params, seqs, self.tokenizer, arrival, stream)
         self.requests[request_id] = state
         return state
 
@@ -209,12 +208,11 @@ class LLMEngine:
             self.runner.assign_slot(assignment.slot, slot_row(
                 assignment.token_ids, assignment.num_prompt_tokens, assignment.params, assignment.seed,
                 self.eos_token_ids, self.max_model_len))
-        flags = SamplingFlags()
+        flags = SamplingFlags.NONE
         for row in plan.seqs:
-            seq = self.scheduler.sequences[row.seq_id]
-            flags = flags | SamplingFlags.of(seq.params)
+            flags |= SamplingFlags.of(self.scheduler.sequences[row.seq_id].params)
         if not any(row.prompt_logprobs for row in plan.seqs):
-            flags = dataclasses.replace(flags, prompt_logprobs=False)
+            flags &= ~SamplingFlags.PROMPT_LOGPROBS
         return self.runner.dispatch(plan, flags)
 
     def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
@@ -274,7 +272,7 @@ class LLMEngine:
         outputs = []
         for request_id in touched:
             state = self.requests.get(request_id)
-            if state is None:
+            if state is None or not (state.stream or state.finished):
                 continue
             outputs.append(state.output(now))
             if state.finished:

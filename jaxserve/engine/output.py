@@ -30,7 +30,8 @@ class _Sample:
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], tokenizer, arrival_time: float):
+                 seqs: list[Sequence], tokenizer, arrival_time: float, stream: bool = True):
+        self.stream = stream  # False: the caller wants the final output only
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -101,8 +102,9 @@ class RequestState:
             sample.token_ids_released = len(out.token_ids)
         if self.finished and now is not None:
             self.metrics.finished_time = now
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
-                             [dataclasses.replace(o, token_ids=list(o.token_ids)) for o in self.outputs],
+        snapshot = [CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs, o.finish_reason, o.stop_reason,
+                                     o.new_text, o.new_token_ids) for o in self.outputs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, snapshot,
                              finished=all(o.finished for o in self.outputs), prompt_logprobs=self.prompt_logprobs,
                              metrics=self.metrics)
 

@@ -12,6 +12,9 @@ is in the batch.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -77,32 +80,42 @@ def assign_slot(state: SlotState, slot: jax.Array, row: dict) -> SlotState:
     return SlotState(**{name: getattr(state, name).at[slot].set(value) for name, value in row.items()})
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingFlags:
-    """Which optional stages any row of a step needs; the others are skipped at run time (lax.cond)."""
+class SamplingFlags(enum.IntFlag):
+    """Which optional stages any row of a step needs; the others are skipped at run time (lax.cond).
+    A bit set, so the host ORs a step's rows together with plain integer operations."""
 
-    random: bool = False
-    filters: bool = False  # top-k / top-p / min-p
-    penalties: bool = False
-    bias: bool = False  # logit_bias or min_tokens masking
-    logprobs: bool = False
-    prompt_logprobs: bool = False
+    NONE = 0
+    RANDOM = 1
+    FILTERS = 2  # top-k / top-p / min-p
+    PENALTIES = 4
+    BIAS = 8  # logit_bias or min_tokens masking
+    LOGPROBS = 16
+    PROMPT_LOGPROBS = 32
+
+    @property
+    def logprobs(self) -> bool:
+        return bool(self & SamplingFlags.LOGPROBS)
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        return bool(self & SamplingFlags.PROMPT_LOGPROBS)
 
     def as_array(self) -> np.ndarray:
-        return np.array(dataclasses.astuple(self), dtype=bool)
+        """[6] bool in bit order: the step function's `flags` input."""
+        return np.array([bool(self & (1 << i)) for i in range(6)], dtype=bool)
 
     @classmethod
+    @functools.lru_cache(maxsize=4096)
     def of(cls, params: SamplingParams) -> "SamplingFlags":
-        return cls(random=params.temperature > 0,
-                   filters=params.temperature > 0 and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0),
-                   penalties=(params.repetition_penalty != 1 or params.presence_penalty != 0
-                              or params.frequency_penalty != 0),
-                   bias=bool(params.logit_bias) or params.min_tokens > 0,
-                   logprobs=params.logprobs is not None,
-                   prompt_logprobs=params.prompt_logprobs is not None)
-
-    def __or__(self, other: "SamplingFlags") -> "SamplingFlags":
-        return SamplingFlags(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        random = params.temperature > 0
+        flags = [(random, cls.RANDOM),
+                 (random and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0), cls.FILTERS),
+                 (params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0,
+                  cls.PENALTIES),
+                 (bool(params.logit_bias) or params.min_tokens > 0, cls.BIAS),
+                 (params.logprobs is not None, cls.LOGPROBS),
+                 (params.prompt_logprobs is not None, cls.PROMPT_LOGPROBS)]
+        return functools.reduce(operator.or_, (bit for on, bit in flags if on), cls.NONE)
 
 
 FLAG_RANDOM, FLAG_FILTERS, FLAG_PENALTIES, FLAG_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS = range(6)
