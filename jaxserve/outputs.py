@@ -39,6 +39,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)  # seconds between token steps
 
 
 @dataclasses.dataclass

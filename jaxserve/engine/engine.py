@@ -28,7 +28,7 @@ from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory,
                                        place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
-from jaxserve.engine.stats import EngineStats, StepRecord
+from jaxserve.engine.stats import EngineStats, StepRecord, attention_work
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
 from jaxserve.models.llama import Llama, numpy_dtype
@@ -165,6 +165,8 @@ class LLMEngine:
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if not self.has_unfinished_requests():
+            self.stats.work_arrived(time.perf_counter())  # the device's idle time until now was not the host's doing
         seqs = self.scheduler.add_request(request_id, prompt_ids, params, arrival, priority)
         state = RequestState(request_id, prompt_text, prompt_ids, params, seqs, self.tokenizer, arrival, stream)
         self.requests[request_id] = state
@@ -192,6 +194,7 @@ class LLMEngine:
         """Schedules and dispatches the next step, then processes the previous one's results (or, without
         async_scheduling, this step's own)."""
         started = time.perf_counter()
+        in_flight_ready_at = _seen_ready(self._in_flight, started)
         plan = self.scheduler.schedule()
         pending = self._dispatch(plan) if not plan.is_empty else None
         scheduled_at = time.perf_counter()
@@ -199,12 +202,14 @@ class LLMEngine:
             previous, self._in_flight = self._in_flight, pending
         else:
             previous = pending
-        outputs = self._finish_step(previous) if previous is not None else []
+        outputs = self._finish_step(previous, in_flight_ready_at) if previous is not None else []
         self.stats.host_seconds += scheduled_at - started
         return outputs
 
     def _dispatch(self, plan: StepPlan) -> PendingStep:
+        now = time.monotonic()
         for assignment in plan.new_slots:
+            self._note_first_scheduled(assignment.seq_id, now)
             self.runner.assign_slot(assignment.slot, slot_row(
                 assignment.token_ids, assignment.num_prompt_tokens, assignment.params, assignment.seed,
                 self.eos_token_ids, self.max_model_len))
@@ -215,10 +220,19 @@ class LLMEngine:
             flags &= ~SamplingFlags.PROMPT_LOGPROBS
         return self.runner.dispatch(plan, flags)
 
-    def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+    def _note_first_scheduled(self, seq_id: int, now: float) -> None:
+        state = self.requests.get(self.scheduler.sequences[seq_id].request_id)
+        if state is not None and state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = now
+
+    def _finish_step(self, pending: PendingStep, seen_ready_at: float | None = None) -> list[RequestOutput]:
+        """`seen_ready_at`: when a readiness check found the step done before this fetch (see engine/stats)."""
         wait_start = time.perf_counter()
+        blocked = not pending.sampled.tokens.is_ready()
         sampled = np.asarray(pending.sampled.tokens)
-        waited = time.perf_counter() - wait_start
+        fetched = time.perf_counter()
+        waited = fetched - wait_start
+        ready_at = fetched if blocked else min(seen_ready_at or wait_start, wait_start)
         logprobs = self._fetch_logprobs(pending)
         tokens = [SampledToken(int(sampled[i]), *logprobs[i]) if logprobs else SampledToken(int(sampled[i]))
                   for i in range(len(pending.plan.seqs))]
@@ -233,9 +247,16 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish(update.seq, "stop", stop)
             touched.add(state.request_id)
-        self.stats.record(StepRecord(pending.shape, pending.plan.num_tokens, len(pending.plan.seqs),
-                                     pending.dispatched_at, time.perf_counter(), waited))
+        self.stats.record(self._step_record(pending, waited, ready_at))
         return self._collect(touched, now)
+
+    def _step_record(self, pending: PendingStep, waited: float, ready_at: float) -> StepRecord:
+        rows, window = pending.plan.seqs, self.model_config.sliding_window
+        return StepRecord(pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at,
+                          time.perf_counter(), waited, context_tokens=sum(row.context_len for row in rows),
+                          attended_pairs=sum(attention_work(row.context_len, row.num_new_tokens, window)
+                                             for row in rows),
+                          ready_at=ready_at, page_stall=pending.plan.waiting_for_pages)
 
     def _fetch_logprobs(self, pending: PendingStep):
         if not pending.flags.logprobs:
@@ -286,6 +307,11 @@ class LLMEngine:
         while self.has_unfinished_requests():
             finals.extend(o for o in self.step() if o.finished)
         return finals
+
+
+def _seen_ready(pending: PendingStep | None, now: float) -> float | None:
+    """`now` if the step in flight has already finished on the device (a non-blocking check), else None."""
+    return now if pending is not None and pending.sampled.tokens.is_ready() else None
 
 
 def enable_compilation_cache(directory: str | None) -> None:

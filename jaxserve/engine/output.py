@@ -53,6 +53,8 @@ class RequestState:
         """Adds a sampled token; returns the stop string it completed, if any (the caller finishes the sequence)."""
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
+        elif now > self.metrics.last_token_time:  # the n samples of a request get their tokens at the same `now`
+            self.metrics.inter_token_latencies.append(now - self.metrics.last_token_time)
         self.metrics.last_token_time = now
         out, sample = self.outputs[seq.index], self._samples[seq.index]
         out.token_ids.append(token.token_id)

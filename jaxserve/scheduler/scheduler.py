@@ -72,6 +72,7 @@ class StepPlan:
     seqs: tuple[ScheduledSequence, ...]
     new_slots: tuple[SlotAssignment, ...]
     num_tokens: int
+    waiting_for_pages: bool = False  # a sequence was preempted, or a waiting one not admitted, for lack of pages
 
     @property
     def is_decode(self) -> bool:
@@ -206,10 +207,10 @@ class Scheduler:
         scheduled: dict[int, ScheduledSequence] = {}
         new_slots: list[SlotAssignment] = []
         preempted = self._schedule_running(budget, scheduled)
-        if not preempted:
-            self._schedule_waiting(budget, scheduled, new_slots)
+        out_of_pages = preempted or self._schedule_waiting(budget, scheduled, new_slots)
         plan_seqs = tuple(scheduled.values())
-        return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs))
+        return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs),
+                        out_of_pages)
 
     def _schedule_running(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence]) -> bool:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -232,7 +233,8 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence],
-                          new_slots: list[SlotAssignment]) -> None:
+                          new_slots: list[SlotAssignment]) -> bool:
+        """Admits waiting sequences in queue order; True if one had to stay waiting for lack of KV pages."""
         index = 0
         while index < len(self.waiting) and budget.has_room() and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[index]
@@ -240,11 +242,12 @@ class Scheduler:
                 index += 1
                 continue
             if not self._admit(seq, budget):
-                break
+                return True
             self.waiting.pop(index)
             new_slots.append(SlotAssignment(seq.slot, seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens,
                                             seq.params, seq.seed))
             scheduled[seq.seq_id] = self._advance(seq, min(seq.num_uncomputed_tokens, budget.tokens), budget)
+        return False
 
     def _admit(self, seq: Sequence, budget: "_Budget") -> bool:
         """Gives a waiting sequence cached prefix pages, pages for its first chunk and a slot; False if no room."""
