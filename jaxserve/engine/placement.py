@@ -40,17 +40,18 @@ def engine_mesh(config: EngineConfig) -> Mesh:
         raise ConfigError(str(exc)) from None
 
 
-def param_named_shapes(cfg: ModelConfig, dtype) -> list[tuple[tuple, tuple[int, ...]]]:
-    """(logical axes, shape) of every weight array of the model, quantized values and scales included."""
+def param_layout(cfg: ModelConfig, dtype) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+    """{"layers/wq": (logical axes, shape), ...} for every weight array of the model, quantized values and scales
+    included ("layers/wq/values", "layers/wq/scales"). Nothing is allocated."""
     _, state = nnx.split(abstract_model(cfg, dtype), nnx.Param)
-    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return [(tuple(v.get_metadata()["axes"]), tuple(v.get_value().shape)) for v in leaves]
+    return {"/".join(map(str, path)): (tuple(var.get_metadata()["axes"]), tuple(var.get_value().shape))
+            for path, var in nnx.to_flat_state(state)}
 
 
 def model_sharder(cfg: ModelConfig, mesh: Mesh, dtype) -> Sharder:
     """The sharding rules resolved for this model's weights and KV cache on `mesh`."""
     kv = (CACHE_AXES[:2], (cfg.num_layers, cfg.num_kv_heads))
-    return Sharder.for_arrays(mesh, param_named_shapes(cfg, dtype) + [kv])
+    return Sharder.for_arrays(mesh, [*param_layout(cfg, dtype).values(), kv])
 
 
 def place_model(model: Llama, sharder: Sharder) -> Llama:
