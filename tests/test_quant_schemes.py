@@ -57,17 +57,34 @@ def test_group_size_below_32_is_refused():
         schemes.group_size(48)
 
 
-@pytest.mark.parametrize("scheme, bound", [("int8", 0.5 / 127), ("int4", 0.5 / 7)])
-def test_round_trip_error_is_at_most_half_a_step(scheme, bound):
-    """Every element is within half a quantization step of its channel's (int8) or group's (int4) max."""
+@pytest.mark.parametrize("scheme, qmax", [("int8", 127), ("int4", 7)])
+def test_round_trip_error_is_at_most_half_a_step_inside_the_clip_range(scheme, qmax):
+    """Every element the scale can represent is within half a step; int8 represents its channel's max, int4's
+    clip search picks a scale between 0.7 and 1 times its group's absmax scale."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 3, 32)).astype(np.float32) * rng.uniform(0.1, 10, (1, 3, 32))
     values, scales = schemes.quantize(w, 1, scheme)
     back = np.asarray(schemes.dequantize(values, scales, 1, scheme))
     g = 256 if scheme == "int8" else 128
-    amax = np.abs(w.reshape(256 // g, g, 3, 32)).max(axis=1, keepdims=True)
-    err = np.abs(back - w).reshape(256 // g, g, 3, 32)
-    assert np.all(err <= bound * amax * (1 + 1e-6))
+    step = np.repeat(np.asarray(scales).reshape(-1, 1, 3, 32), g, axis=1).reshape(w.shape)
+    amax_step = np.repeat(np.abs(w.reshape(256 // g, g, 3, 32)).max(axis=1, keepdims=True) / qmax, g, 1)
+    inside = np.abs(w) <= qmax * step * (1 + 1e-6)
+    assert np.all(np.abs(back - w)[inside] <= 0.5 * step[inside] * (1 + 1e-6))
+    assert np.all(step <= amax_step.reshape(w.shape) * (1 + 1e-6))
+    assert np.all(step >= min(schemes.INT4_CLIP_RATIOS) * amax_step.reshape(w.shape) * (1 - 1e-6))
+    assert inside.all() or scheme == "int4"
+
+
+def test_int4_clip_search_never_loses_to_plain_absmax():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((512, 64)).astype(np.float32)
+    w[rng.random(w.shape) < 0.01] *= 8  # outliers make clipping worthwhile
+    values, scales = schemes.quantize(w, 1, "int4")
+    searched = np.square(np.asarray(schemes.dequantize(values, scales, 1, "int4")) - w).reshape(4, 128, 64).sum(1)
+    absmax = np.abs(w.reshape(4, 128, 64)).max(axis=1, keepdims=True) / 7
+    plain = np.square(np.clip(np.round(w.reshape(4, 128, 64) / absmax), -7, 7) * absmax - w.reshape(4, 128, 64))
+    assert np.all(searched <= plain.sum(1) * (1 + 1e-5))
+    assert searched.sum() < 0.95 * plain.sum()
 
 
 def test_zero_channels_quantize_to_zero_without_nans():
