@@ -100,10 +100,7 @@ def _weight(spec: WeightSpec, scheme: str | None, dtype, key: jax.Array | None, 
     value = _init(spec, dtype, key)
     if scheme is None:
         return nnx.Param(value, axes=spec.axes)
-    quantize = functools.partial(schemes.quantize, contract=spec.contract, scheme=scheme)
-    for _ in range(stacked):
-        quantize = jax.vmap(quantize)
-    values, scales = quantize(value)
+    values, scales = schemes.quantize_stacked(value, spec.contract, scheme, stacked)
     return QuantizedWeight(values, scales, schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked),
                            scheme, spec.contract)
 

@@ -39,10 +39,7 @@ def quantized_config(cfg: ModelConfig, scheme: str | None, lm_head: str | None =
 
 def quantize_weight(w: jax.Array, spec: WeightSpec, scheme: str, stacked: int) -> dict[str, jax.Array]:
     """A float weight whose first `stacked` dims are layers -> {"values", "scales"} (checkpoint leaf names)."""
-    quantize = functools.partial(schemes.quantize, contract=spec.contract, scheme=scheme)
-    for _ in range(stacked):
-        quantize = jax.vmap(quantize)
-    values, scales = quantize(w)
+    values, scales = schemes.quantize_stacked(w, spec.contract, scheme, stacked)
     return {"values": values, "scales": scales}
 
 

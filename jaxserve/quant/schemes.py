@@ -32,6 +32,7 @@ Everything here is jnp (usable on numpy inputs, under jit and vmap); nothing imp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -135,6 +136,14 @@ def _int4_scales(groups: jax.Array) -> jax.Array:
             better = error < best_error
             best_scale, best_error = jnp.where(better, scale, best_scale), jnp.where(better, error, best_error)
     return best_scale
+
+
+def quantize_stacked(w: jax.Array, contract: int, scheme: str, stacked: int = 0) -> tuple[jax.Array, jax.Array]:
+    """quantize() of a weight whose first `stacked` dims are layers, one layer at a time (vmapped)."""
+    fn = functools.partial(quantize, contract=contract, scheme=scheme)
+    for _ in range(stacked):
+        fn = jax.vmap(fn)
+    return fn(w)
 
 
 def _scale(amax: jax.Array, qmax: int) -> jax.Array:
