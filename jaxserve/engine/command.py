@@ -43,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     llm = LLM(args.model, **_engine_options(args))
-    if follow_if_follower(llm.engine):
-        return 0  # a multi-host follower: it ran the leader's steps until the leader finished
+    steps = follow_if_follower(llm.engine)
+    if steps is not None:  # a multi-host follower: it ran the leader's steps until the leader finished
+        print(f"multi-host follower: ran the leader's {steps} steps", file=sys.stderr)
+        return 0
     try:
         return _generate(llm, args, params)
     finally:

@@ -88,13 +88,12 @@ def leader_mirror() -> StepMirror | None:
     return StepMirror(StepChannel())
 
 
-def follow_if_follower(engine) -> bool:
+def follow_if_follower(engine) -> int | None:
     """On a multi-host follower: runs the leader's steps on `engine` (an LLMEngine) until the leader stops, then
-    returns True. Returns False at once on the leader or in a single-process run."""
+    returns how many it ran. Returns None at once on the leader or in a single-process run."""
     if jax.process_count() == 1 or is_leader():
-        return False
-    follow(engine.runner)
-    return True
+        return None
+    return follow(engine.runner)
 
 
 def follow(runner: ModelRunner, channel: StepChannel | None = None) -> int:

@@ -257,7 +257,7 @@ def start_async_engine(model_dir: str | os.PathLike, config: EngineConfig, max_q
     stopped; any other process runs the leader's steps until it stops, then gets None (serve nothing, exit)."""
     if config.data_parallel_size == 1:
         engine = LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress)
-        if follow_if_follower(engine):
+        if follow_if_follower(engine) is not None:
             return None
         return LeaderAsyncEngine(engine, max_queued_requests).start()
     initialize(config.coordinator_address, config.num_processes, config.process_id)
