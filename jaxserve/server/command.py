@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, MemoryError, FileNotFoundError) as exc:
         print(f"jaxserve serve: error: {exc}", file=sys.stderr)
         return 1
+    if engine is None:
+        return 0  # a multi-host follower: it ran the leader's steps until the leader stopped
     try:
         serve(engine, config, args.model or DEFAULT_MODEL)
     finally:
@@ -66,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_engine(directory: Path, engine_config, config: ServerConfig):
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.engine import LLMEngine
-    llm_engine = LLMEngine.from_model_dir(directory, engine_config)
-    return AsyncEngine(llm_engine, config.max_queued_requests).start()
+    """An AsyncEngine, or a ReplicaRouter (the same interface) over --data-parallel-size replicas sharing the
+    admission limit; None on a multi-host follower, after the leader stopped (jaxserve.engine.replicas)."""
+    from jaxserve.engine.replicas import start_async_engine
+    return start_async_engine(directory, engine_config, config.max_queued_requests)
 
 
 def serve(engine, config: ServerConfig, model_path: str) -> None:
