@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
+from jaxserve.engine import replicas
 from jaxserve.engine.engine import LLMEngine, resolve_dtype
+from jaxserve.engine.replicas import DataParallelEngine
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
 
@@ -47,15 +49,38 @@ def preset_config(name: str, dtype: str) -> ModelConfig:
                        max_position_embeddings=8192, dtype=dtype, **spec)
 
 
-def build_engine(args) -> LLMEngine:
+def build_engine(args) -> LLMEngine | DataParallelEngine:
     options = dict(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.input_len + args.output_len, **json.loads(args.engine_args))
-    config = EngineConfig(**options)
+                   max_model_len=args.input_len + args.output_len, tensor_parallel_size=args.tensor_parallel_size,
+                   data_parallel_size=args.data_parallel_size)
+    config = EngineConfig(**{**options, **json.loads(args.engine_args)})
     if args.model:
-        return LLMEngine.from_model_dir(args.model, config)
+        return replicas.build_engine(args.model, config)
     cfg = preset_config(args.preset, args.dtype)
     model = random_model(cfg, numpy_dtype(resolve_dtype(config.dtype, args.dtype)), seed=0)
+    if config.data_parallel_size > 1:
+        return DataParallelEngine([LLMEngine(model, config, mesh=mesh)
+                                   for mesh in replicas.data_parallel_meshes(config)])
     return LLMEngine(model, config)
+
+
+def run_batch_replicas(front: DataParallelEngine, n: int, args) -> dict:
+    """Data parallelism: end-to-end throughput of N requests spread over the replicas (per-step device accounting
+    and the matmul floor are per engine: run the bench on one replica's devices for those)."""
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(3, front.model_config.vocab_size, args.input_len).tolist() for _ in range(n)]
+    _generate(front, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "warm")
+    start = time.perf_counter()
+    _generate(front, prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True), "run")
+    wall = time.perf_counter() - start
+    out_tokens = n * args.output_len
+    first = front.replicas[0]
+    return dict(engine="jaxserve", model=args.model or args.preset, N=n, input_len=args.input_len,
+                output_len=args.output_len, data_parallel_size=len(front.replicas),
+                tensor_parallel_size=first.config.tensor_parallel_size, total_s=round(wall, 3),
+                out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
+                attention=first.attention_impl, device=jax.devices()[0].device_kind, host=platform.node(),
+                ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
 def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20) -> float:
@@ -150,14 +175,20 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices one model is sharded over")
+    ap.add_argument("--data-parallel-size", type=int, default=1, help="model replicas (end-to-end numbers only)")
     ap.add_argument("--engine-args", default="{}", help="JSON dict of extra EngineConfig fields")
     ap.add_argument("--out", help="append one JSON line per batch size to this file")
     args = ap.parse_args(argv)
     engine = build_engine(args)
-    print(f"# {jax.devices()[0].device_kind}: compiled {engine.runner.num_executables} executables "
-          f"in {engine.compile_seconds:.1f}s", file=sys.stderr)
+    first = engine.replicas[0] if isinstance(engine, DataParallelEngine) else engine
+    print(f"# {jax.devices()[0].device_kind}: compiled {first.runner.num_executables} executables "
+          f"in {first.compile_seconds:.1f}s ({first.sharder.describe()})", file=sys.stderr)
     for n in args.batch_sizes:
-        record = run_batch(engine, n, args)
+        if isinstance(engine, DataParallelEngine):
+            record = run_batch_replicas(engine, n, args)
+        else:
+            record = {**run_batch(engine, n, args), "tensor_parallel_size": engine.config.tensor_parallel_size}
         print(json.dumps(record), flush=True)
         if args.out:
             with open(args.out, "a") as fh:
