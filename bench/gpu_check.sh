@@ -71,3 +71,11 @@ echo "total $((SECONDS - START)) s"
 if [[ "${QUANT:-1}" != "0" && -f bench/gpu_check_quant.sh ]]; then
   OUT="$OUT" PYTHON="$PY" bash bench/gpu_check_quant.sh
 fi
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tensor parallelism (issue 9): only with more than one GPU, in a separate script with its own budget
+# (PARALLEL_BUDGET_S, default 300 s), also runnable alone: `bash bench/gpu_check_parallel.sh`. PARALLEL=0 skips it.
+# Its files in $OUT start with parallel_ / PARALLEL (see that script's header).
+if [[ "${PARALLEL:-1}" != "0" && -f bench/gpu_check_parallel.sh ]]; then
+  OUT="$OUT" PYTHON="$PY" bash bench/gpu_check_parallel.sh
+fi
