@@ -28,7 +28,7 @@ from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory,
                                        place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
-from jaxserve.engine.stats import EngineStats, StepRecord, attention_work
+from jaxserve.engine.stats import EngineStats, StepClock, StepRecord, attention_work
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
 from jaxserve.models.llama import Llama, numpy_dtype
@@ -94,6 +94,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._in_flight: PendingStep | None = None
+        self._clocks: dict[int, StepClock] = {}  # step id -> what the host saw of it, while it is in flight
         log.info("engine ready: %s attention, weights %s (%.1f MiB), KV cache %s: %d pages of %d tokens (%.1f MiB), "
                  "%d step shapes compiled in %.1fs, %s", self.attention_impl, self.weights_description,
                  self.weight_bytes / 2**20, self.kv_dtype.name, self.kv_plan.num_pages, config.page_size,
@@ -194,15 +195,18 @@ class LLMEngine:
         """Schedules and dispatches the next step, then processes the previous one's results (or, without
         async_scheduling, this step's own)."""
         started = time.perf_counter()
-        in_flight_ready_at = _seen_ready(self._in_flight, started)
+        device_idle = self._in_flight is None or self._look_at(self._in_flight, started)
         plan = self.scheduler.schedule()
         pending = self._dispatch(plan) if not plan.is_empty else None
         scheduled_at = time.perf_counter()
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, pending
+            if pending is not None and device_idle and self.stats.sample_due(pending.shape):
+                pending.sampled.tokens.block_until_ready()  # an exact sample of its device time (engine/stats.py)
+                self._clocks[pending.plan.step_id].end = time.perf_counter()
         else:
             previous = pending
-        outputs = self._finish_step(previous, in_flight_ready_at) if previous is not None else []
+        outputs = self._finish_step(previous) if previous is not None else []
         self.stats.host_seconds += scheduled_at - started
         return outputs
 
@@ -218,21 +222,27 @@ class LLMEngine:
             flags |= SamplingFlags.of(self.scheduler.sequences[row.seq_id].params)
         if not any(row.prompt_logprobs for row in plan.seqs):
             flags &= ~SamplingFlags.PROMPT_LOGPROBS
+        self._clocks[plan.step_id] = StepClock(time.perf_counter())
         return self.runner.dispatch(plan, flags)
+
+    def _look_at(self, pending: PendingStep, now: float) -> bool:
+        """A non-blocking check: has the step in flight finished on the device?"""
+        ready = pending.sampled.tokens.is_ready()
+        if ready:
+            self._clocks[pending.plan.step_id].saw_ready(now)
+        return ready
 
     def _note_first_scheduled(self, seq_id: int, now: float) -> None:
         state = self.requests.get(self.scheduler.sequences[seq_id].request_id)
         if state is not None and state.metrics.first_scheduled_time is None:
             state.metrics.first_scheduled_time = now
 
-    def _finish_step(self, pending: PendingStep, seen_ready_at: float | None = None) -> list[RequestOutput]:
-        """`seen_ready_at`: when a readiness check found the step done before this fetch (see engine/stats)."""
+    def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+        clock = self._clocks.pop(pending.plan.step_id)
         wait_start = time.perf_counter()
         blocked = not pending.sampled.tokens.is_ready()
         sampled = np.asarray(pending.sampled.tokens)
-        fetched = time.perf_counter()
-        waited = fetched - wait_start
-        ready_at = fetched if blocked else min(seen_ready_at or wait_start, wait_start)
+        waited = clock.fetched(wait_start, time.perf_counter(), blocked)
         logprobs = self._fetch_logprobs(pending)
         tokens = [SampledToken(int(sampled[i]), *logprobs[i]) if logprobs else SampledToken(int(sampled[i]))
                   for i in range(len(pending.plan.seqs))]
@@ -247,16 +257,18 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish(update.seq, "stop", stop)
             touched.add(state.request_id)
-        self.stats.record(self._step_record(pending, waited, ready_at))
+        self.stats.record(self._step_record(pending, waited, clock))
         return self._collect(touched, now)
 
-    def _step_record(self, pending: PendingStep, waited: float, ready_at: float) -> StepRecord:
+    def _step_record(self, pending: PendingStep, waited: float, clock: StepClock) -> StepRecord:
         rows, window = pending.plan.seqs, self.model_config.sliding_window
         return StepRecord(pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at,
-                          time.perf_counter(), waited, context_tokens=sum(row.context_len for row in rows),
+                          time.perf_counter(), waited, sampled_tokens=sum(row.sample for row in rows),
+                          context_tokens=sum(row.context_len for row in rows),
                           attended_pairs=sum(attention_work(row.context_len, row.num_new_tokens, window)
                                              for row in rows),
-                          ready_at=ready_at, page_stall=pending.plan.waiting_for_pages)
+                          dispatch_started=clock.dispatch_started, ready_at=clock.ready_at,
+                          end_exact=clock.end is not None, page_stall=pending.plan.waiting_for_pages)
 
     def _fetch_logprobs(self, pending: PendingStep):
         if not pending.flags.logprobs:
@@ -307,11 +319,6 @@ class LLMEngine:
         while self.has_unfinished_requests():
             finals.extend(o for o in self.step() if o.finished)
         return finals
-
-
-def _seen_ready(pending: PendingStep | None, now: float) -> float | None:
-    """`now` if the step in flight has already finished on the device (a non-blocking check), else None."""
-    return now if pending is not None and pending.sampled.tokens.is_ready() else None
 
 
 def enable_compilation_cache(directory: str | None) -> None:
