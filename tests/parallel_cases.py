@@ -126,6 +126,7 @@ CASES = {
     "pallas_tp2": lambda: tensor_parallel(2, attention="pallas"),
     "int8_reference": lambda: {"tokens": reference(model(INT8))},
     "int8_tp2": lambda: tensor_parallel(2, INT8),
+    "int8_pallas_tp2": lambda: tensor_parallel(2, INT8, matmul="pallas"),
 }
 
 

@@ -5,15 +5,19 @@ each weight's and the KV cache's placement and the compiled steps' collectives."
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.async_engine import EngineDeadError, QueueFullError
@@ -21,13 +25,15 @@ from jaxserve.engine.buckets import StepShape
 from jaxserve.engine.multihost import StepMessage, decode, encode
 from jaxserve.engine.placement import param_layout
 from jaxserve.engine.replicas import ReplicaRouter, least_loaded
-from jaxserve.engine.runner import StepInputs
+from jaxserve.engine.runner import StepInputs, model_step
 from jaxserve.engine.sampler import slot_row
-from jaxserve.kv.cache import CACHE_AXES
+from jaxserve.kv.cache import CACHE_AXES, KVCache
+from jaxserve.models.llama import abstract_model
 from jaxserve.parallel import MeshError, Sharder, make_mesh
 from jaxserve.parallel.multihost import StepChannel
 from jaxserve.parallel.sharding import divisible_rules
 from jaxserve.sampling_params import SamplingParams
+from test_kernels_lowering import H200, triton_calls
 
 CASES_SCRIPT = Path(__file__).parent / "parallel_cases.py"
 MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -300,14 +306,15 @@ def test_replicas_run_on_disjoint_devices_and_share_the_work(eight_devices):
 @pytest.mark.slow
 def test_every_layout_matches_its_single_device_reference():
     """Tensor-parallel 2 and 4; 2 KV heads (split on 2 devices, whole on 4); Pallas attention (interpret mode) under
-    shard_map; int8 weights with their scales split alongside."""
+    shard_map; int8 weights with their scales split alongside, through XLA and through the Pallas matmul."""
     r = run_cases("reference", "tp2", "tp4", "pallas_tp2", "gqa_reference", "gqa_tp2", "gqa_tp4",
-                  "int8_reference", "int8_tp2")
+                  "int8_reference", "int8_tp2", "int8_pallas_tp2")
     for name in ("tp2", "tp4", "pallas_tp2"):
         assert r[name]["tokens"] == r["reference"]["tokens"], name
     for name in ("gqa_tp2", "gqa_tp4"):
         assert r[name]["tokens"] == r["gqa_reference"]["tokens"], name
     assert r["int8_tp2"]["tokens"] == r["int8_reference"]["tokens"]
+    assert r["int8_pallas_tp2"]["tokens"] == r["int8_reference"]["tokens"]  # the Pallas matmul under shard_map
     assert r["gqa_tp2"]["kv"]["spec"] == KV_SPEC
     assert r["gqa_tp4"]["kv"]["spec"] == [None] * 5 and "kv_heads" not in r["gqa_tp4"]["rules"]
     assert r["gqa_tp4"]["weights"]["layers/wq"]["spec"] == [None, None, "model", None]
@@ -317,3 +324,28 @@ def test_every_layout_matches_its_single_device_reference():
     assert int8["layers/w_down/values"]["spec"] == [None, "model", None]
     assert int8["layers/w_down/scales"]["spec"] == [None, None]
     assert int8["lm_head/scales"]["spec"] == ["model"]
+
+
+# ---- CUDA lowering -----------------------------------------------------------------------------------------------
+def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch):
+    """The tensor-parallel step with Pallas attention and the int8 Pallas matmul, lowered for an abstract pair of
+    H200s: every Triton kernel sees only its device's shard (GSPMD cannot split a kernel, so outside shard_map it
+    would be handed whole, gathered weights), and the row-parallel products are summed across devices."""
+    cfg = ModelConfig(**{**MODEL.__dict__, "dtype": "bfloat16", "quantization": "int8", "intermediate_size": 384})
+    graphdef, params = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    kv = jax.eval_shape(lambda: KVCache.zeros(2, 8, 64, 16, 16, jnp.bfloat16))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    inputs = StepInputs(i32(8, 4), i32(8), i32(9), i32(8), jax.ShapeDtypeStruct((8,), jnp.bool_),
+                        jax.ShapeDtypeStruct((6,), jnp.bool_))
+    step = functools.partial(model_step, graphdef, shape=StepShape("decode", 8, 8, 4), page_size=16,
+                             attention_impl="pallas", matmul_impl="pallas")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks compiled kernels, not interpret
+    pair = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(pair):
+        lowered = jax.jit(step).trace(params, kv, i32(9, 129), inputs).lower(lowering_platforms=("cuda",))
+    operands = {t for call in triton_calls(lowered) for t in call["operand_types"]}
+    assert "tensor<2x4x64x16x16xbf16>" in operands  # the KV pools: 4 of the 8 KV heads
+    weights = {t for t in operands if t.endswith("xi8>")}
+    # q/k/v/o: [64, 128] / [128, 64] halved; gate/up [64, 384] on N, down [384, 64] on K: local shards only
+    assert weights == {"tensor<64x64xi8>", "tensor<64x192xi8>", "tensor<192x64xi8>"}
+    assert lowered.as_text().count("stablehlo.all_reduce") == 2  # o and down: partial products summed

@@ -10,10 +10,14 @@ GPU, interpreted elsewhere), "xla" the jnp path. The engine resolves "auto" befo
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxserve.parallel import shard_map_logical
 from jaxserve.quant import schemes
 from jaxserve.quant.schemes import QuantizedLayout
 
@@ -49,8 +53,24 @@ def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, impl: str
     values, scales = schemes.matrix(weight.values[...], weight.scales[...], contract, weight.scheme)
     k = values.shape[0] * (2 if weight.scheme == "int4" else 1)
     out_dims = weight.scales.shape if weight.scheme == "int8" else weight.scales.shape[1:]
-    out = quantized_matmul(x.reshape(-1, k), values, scales, weight.scheme, impl)
+    matmul = functools.partial(quantized_matmul, scheme=weight.scheme, impl=impl)
+    if impl == "pallas":
+        matmul = _split_like_the_weight(matmul, weight)
+    out = matmul(x.reshape(-1, k), values, scales)
     return out.reshape(x.shape[:x.ndim - contract] + tuple(out_dims))
+
+
+def _split_like_the_weight(matmul, weight: QuantizedWeight):
+    """Tensor parallelism for the Pallas kernel, which GSPMD cannot partition (it would gather the weight): the
+    matrix product runs under shard_map, split on N like a column-parallel weight's outputs, or on K like a
+    row-parallel weight's inputs, the partial products then summed. The matrix views split where their leading
+    logical axis does (heads of [heads, head_dim], ...); a weight splits on K or on N, never both."""
+    axes = weight.values.get_metadata()["axes"]
+    axes = axes[len(axes) - weight.values[...].ndim:]  # one layer's slice inside the layer scan: no "layers"
+    k_axis, n_axis = axes[0], axes[weight.contract]
+    scales = P(n_axis) if weight.scheme == "int8" else P(k_axis, n_axis)
+    return shard_map_logical(matmul, in_specs=(P(None, k_axis), P(k_axis, n_axis), scales),
+                             out_specs=P(None, n_axis), sum_over=(k_axis,))
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, scheme: str, impl: str) -> jax.Array:

@@ -128,11 +128,12 @@ def single_device_mesh(device: jax.Device | None = None) -> Mesh:
     return Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def shard_map_logical(fn: Callable, in_specs, out_specs) -> Callable:
+def shard_map_logical(fn: Callable, in_specs, out_specs, sum_over: Sequence[str | None] = ()) -> Callable:
     """`jax.shard_map(fn)` over the mesh in context, with PartitionSpecs of logical names (a prefix tree of the
     arguments / outputs, like shard_map's). A logical axis that some argument cannot split evenly is replicated in
-    every spec, so `fn` sees consistent local shapes (e.g. all heads when 2 KV heads meet 4 devices). Without a
-    mesh in context, or on a one-device mesh, returns `fn` itself."""
+    every spec, so `fn` sees consistent local shapes (e.g. all heads when 2 KV heads meet 4 devices). `sum_over`:
+    logical axes fn's outputs are partial sums over (a contraction split across devices), summed when split.
+    Without a mesh in context, or on a one-device mesh, returns `fn` itself."""
 
     def mapped(*args):
         mesh = jax.sharding.get_abstract_mesh()
@@ -140,8 +141,10 @@ def shard_map_logical(fn: Callable, in_specs, out_specs) -> Callable:
             return fn(*args)
         rules = divisible_rules(_named_shapes(in_specs, args), dict(zip(mesh.axis_names, mesh.axis_sizes)))
         to_mesh = lambda tree: jax.tree.map(lambda spec: _mesh_spec(spec, rules), tree)  # noqa: E731
+        summed = tuple(rules[name] for name in sum_over if name in rules)
+        body = (lambda *a: jax.lax.psum(fn(*a), summed)) if summed else fn
         # check_vma=False: pallas_call out_shapes carry no varying-axes annotation (JAX asks for it otherwise)
-        return jax.shard_map(fn, mesh=mesh, in_specs=to_mesh(in_specs), out_specs=to_mesh(out_specs),
+        return jax.shard_map(body, mesh=mesh, in_specs=to_mesh(in_specs), out_specs=to_mesh(out_specs),
                              check_vma=False)(*args)
 
     return mapped
