@@ -117,15 +117,24 @@ def test_a_mesh_larger_than_the_devices_is_refused():
 
 # ---- multi-host step messages ----------------------------------------------------------------------------------
 def test_step_messages_round_trip():
-    rows = [(3, slot_row([5, 6, 7], 3, SamplingParams(temperature=0.5, seed=1), 9, (2,), 32)),
-            (1, slot_row([8], 1, SamplingParams(), 4, (2,), 32))]
-    inputs = StepInputs(np.arange(8, dtype=np.int32).reshape(2, 4), np.array([3, 1], np.int32),
+    rows = [(3, slot_row([5, 6, 7], 3, SamplingParams(temperature=0.5, seed=1), 9, (2,), 8191)),
+            (1, slot_row([8], 1, SamplingParams(), 4, (2,), 8191))]
+    inputs = StepInputs(np.array([[4, 5, 0, 0], [6, 0, 0, 0]], np.int32), np.array([3, 1], np.int32),
                         np.array([0, 3, 4], np.int32), np.array([3, 1], np.int32), np.array([True, True]),
                         np.zeros(6, bool))
-    message = decode(encode(StepMessage(rows, StepShape("prefill", 16, 2, 4), inputs, True)))
+    payload = encode(StepMessage(rows, StepShape("prefill", 16, 2, 4), inputs, True))
+    assert len(payload) < 16_000  # ~25 small arrays; the token rows' zero padding (2 x 32 KiB) does not travel
+    message = decode(payload)
     assert message.shape == StepShape("prefill", 16, 2, 4) and message.prompt_logprobs
     for name in ("block_tables", "context_lens", "query_start", "row_slots", "sample_mask", "flags"):
         np.testing.assert_array_equal(getattr(message.inputs, name), getattr(inputs, name))
+        assert getattr(message.inputs, name).dtype == getattr(inputs, name).dtype
+    big = StepInputs(np.zeros((256, 512), np.int32), *(np.zeros(256, np.int32) for _ in range(2)),
+                     np.zeros(256, np.int32), np.zeros(256, bool), np.zeros(6, bool))
+    big.block_tables[:3, :2] = 7
+    payload = encode(StepMessage([], StepShape("decode", 256, 256, 512), big, False))
+    assert len(payload) < 8000  # the zero padding of a large bucket's block tables does not travel
+    np.testing.assert_array_equal(decode(payload).inputs.block_tables, big.block_tables)
     assert [slot for slot, _ in message.assigns] == [3, 1]
     for (_, got), (_, want) in zip(message.assigns, rows):
         assert got.keys() == want.keys()

@@ -7,7 +7,10 @@
     close()            -> mirror.stop: publish ----> receive: stop, return
 
 A message is an .npz archive of plain numpy arrays (no pickle): the step shape, the padded StepInputs, the
-prompt-logprobs switch, and the slot rows assigned since the previous step. Transport: jaxserve.parallel.multihost.
+prompt-logprobs switch, and the slot rows assigned since the previous step. The two arrays that grow with the
+configuration, the block tables ([S, P] int32: 512 KiB at S=256, P=512) and the new slots' token rows
+([max_model_len + 1] int32 each), travel cropped to their nonzero corner and are zero-padded back on arrival
+(lossless: their padding is zeros). Transport: jaxserve.parallel.multihost.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from jaxserve.engine.runner import ModelRunner, StepInputs
 from jaxserve.parallel.multihost import StepChannel, is_leader
 
 log = logging.getLogger(__name__)
+CROPPED = ("in.block_tables", "row.tokens")  # zero-padded 2-D arrays that can be large
 
 
 @dataclasses.dataclass
@@ -44,22 +48,41 @@ def encode(message: StepMessage) -> bytes:
         arrays["prompt_logprobs"] = np.array(message.prompt_logprobs)
         arrays.update({f"in.{f.name}": np.asarray(getattr(message.inputs, f.name))
                        for f in dataclasses.fields(StepInputs)})
+    for key in CROPPED:
+        if key in arrays:
+            arrays[f"{key}.shape"] = np.array(arrays[key].shape)
+            arrays[key] = _crop(arrays[key])
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
 
 
 def decode(payload: bytes) -> StepMessage:
-    with np.load(io.BytesIO(payload), allow_pickle=False) as z:
-        rows = {key.removeprefix("row."): z[key] for key in z.files if key.startswith("row.")}
-        assigns = [(int(slot), {name: values[i] for name, values in rows.items()})
-                   for i, slot in enumerate(z["slots"])]
-        if "shape" not in z.files:
-            return StepMessage(assigns, None)
-        kind, tokens, seqs, pages = z["shape"].tolist()
-        inputs = StepInputs(**{f.name: z[f"in.{f.name}"] for f in dataclasses.fields(StepInputs)})
-        return StepMessage(assigns, StepShape(kind, int(tokens), int(seqs), int(pages)), inputs,
-                           bool(z["prompt_logprobs"]))
+    with np.load(io.BytesIO(payload), allow_pickle=False) as archive:
+        z = {key: archive[key] for key in archive.files}
+    for key in CROPPED:
+        if key in z:
+            z[key] = _pad(z[key], tuple(z.pop(f"{key}.shape")))
+    rows = {key.removeprefix("row."): z[key] for key in z if key.startswith("row.")}
+    assigns = [(int(slot), {name: values[i] for name, values in rows.items()}) for i, slot in enumerate(z["slots"])]
+    if "shape" not in z:
+        return StepMessage(assigns, None)
+    kind, tokens, seqs, pages = z["shape"].tolist()
+    inputs = StepInputs(**{f.name: z[f"in.{f.name}"] for f in dataclasses.fields(StepInputs)})
+    return StepMessage(assigns, StepShape(kind, int(tokens), int(seqs), int(pages)), inputs,
+                       bool(z["prompt_logprobs"]))
+
+
+def _crop(table: np.ndarray) -> np.ndarray:
+    """The smallest top-left corner of a 2-D array holding every nonzero entry."""
+    rows, cols = np.nonzero(table)
+    return table[:rows.max(initial=-1) + 1, :cols.max(initial=-1) + 1]
+
+
+def _pad(table: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    out = np.zeros(shape, table.dtype)
+    out[:table.shape[0], :table.shape[1]] = table
+    return out
 
 
 class StepMirror:
