@@ -252,6 +252,18 @@ def test_router_spreads_a_burst_and_frees_load_when_requests_end():
     assert all(r.stopped for r in replicas)
 
 
+def test_router_counts_a_burst_its_replicas_have_not_seen_yet():
+    router = ReplicaRouter([FakeReplica(), FakeReplica()], max_queued_requests=3)
+
+    async def burst():
+        for i in range(3):
+            await router.add_request(f"r{i}", [1], SamplingParams())  # the replicas still report 0 waiting
+        with pytest.raises(QueueFullError, match="3 requests"):
+            await router.add_request("r3", [1], SamplingParams())
+
+    asyncio.run(burst())
+
+
 def test_router_shares_one_admission_limit_and_reports_dead_replicas():
     replicas = [FakeReplica(), FakeReplica()]
     replicas[0].num_waiting, replicas[1].num_waiting, replicas[1].num_running = 2, 1, 4

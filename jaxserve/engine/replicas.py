@@ -124,7 +124,6 @@ class ReplicaRouter:
         self.max_queued_requests = max_queued_requests
         self._load = [0] * len(self.replicas)  # routed and not finished, per replica
         self._replica_of: dict[str, int] = {}
-        self._admitting = 0  # add_request calls waiting for a replica to accept them
 
     # ---- AsyncEngine's interface ----------------------------------------------------------------------------
     @property
@@ -168,15 +167,12 @@ class ReplicaRouter:
         index = least_loaded(self._load)
         self._load[index] += 1
         self._replica_of[request_id] = index
-        self._admitting += 1
         try:
             stream = await self.replicas[index].add_request(request_id, prompt, params, priority=priority,
                                                             prompt_text=prompt_text)
         except BaseException:
             self._release(request_id)
             raise
-        finally:
-            self._admitting -= 1
         return RoutedStream(stream, lambda: self._release(request_id))
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
@@ -195,10 +191,13 @@ class ReplicaRouter:
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Waiting = what the replicas report, or (when they have not stepped since a burst arrived) what the front
+        routed and no replica runs yet, whichever is more."""
         if not self.is_alive:
             raise EngineDeadError(f"a replica is not running: {self.error!r}")
-        if self.max_queued_requests is not None and self.num_waiting + self._admitting >= self.max_queued_requests:
-            raise QueueFullError(f"{self.num_waiting + self._admitting} requests are already waiting")
+        waiting = max(self.num_waiting, sum(self._load) - self.num_running)
+        if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+            raise QueueFullError(f"{waiting} requests are already waiting")
 
     def _release(self, request_id: str) -> None:
         index = self._replica_of.pop(request_id, None)
