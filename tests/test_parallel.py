@@ -348,7 +348,8 @@ def test_every_layout_matches_its_single_device_reference():
 
 
 # ---- CUDA lowering -----------------------------------------------------------------------------------------------
-def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch):
+@pytest.mark.parametrize("shape", [StepShape("decode", 8, 8, 4), StepShape("prefill", 32, 4, 4)], ids=str)
+def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch, shape):
     """The tensor-parallel step with Pallas attention and the int8 Pallas matmul, lowered for an abstract pair of
     H200s: every Triton kernel sees only its device's shard (GSPMD cannot split a kernel, so outside shard_map it
     would be handed whole, gathered weights), and the row-parallel products are summed across devices."""
@@ -356,10 +357,11 @@ def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch):
     graphdef, params = nnx.split(abstract_model(cfg, jnp.bfloat16))
     kv = jax.eval_shape(lambda: KVCache.zeros(2, 8, 64, 16, 16, jnp.bfloat16))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    inputs = StepInputs(i32(8, 4), i32(8), i32(9), i32(8), jax.ShapeDtypeStruct((8,), jnp.bool_),
+    s = shape.seqs
+    inputs = StepInputs(i32(s, 4), i32(s), i32(s + 1), i32(s), jax.ShapeDtypeStruct((s,), jnp.bool_),
                         jax.ShapeDtypeStruct((6,), jnp.bool_))
-    step = functools.partial(model_step, graphdef, shape=StepShape("decode", 8, 8, 4), page_size=16,
-                             attention_impl="pallas", matmul_impl="pallas")
+    step = functools.partial(model_step, graphdef, shape=shape, page_size=16, attention_impl="pallas",
+                             matmul_impl="pallas")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks compiled kernels, not interpret
     pair = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
     with jax.sharding.use_abstract_mesh(pair):
