@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -22,15 +21,18 @@ from flax import nnx
 
 from jaxserve import cli
 from jaxserve.checkpoint import load_model, read_metadata
-from jaxserve.config import ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.convert import ConvertError, convert
 from jaxserve.convert.converter import config_from_source, read_params
 from jaxserve.convert.hf_source import TensorReader, open_source
 from jaxserve.convert.names import expected_tensors
+from jaxserve.engine.engine import LLMEngine
 from jaxserve.models.linear import QuantizedWeight
 from jaxserve.models.llama import abstract_model
 from jaxserve.quant import schemes
 from jaxserve.quant.model import quantize_model
+from jaxserve.sampling_params import SamplingParams
+import test_parity as parity  # noqa: I001 (the paged single-sequence runner and transformers' logits)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # measured max |int8 - transformers float32| / max |logit| over the fixtures' prompts (prefill and greedy decode
@@ -52,12 +54,6 @@ def quantized(tmp_path_factory):
         return done[key]
 
     return make
-
-
-def _parity():
-    sys.path.insert(0, str(Path(__file__).parent))
-    import test_parity
-    return test_parity
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -83,7 +79,6 @@ def test_converting_quantized_equals_quantizing_the_float_conversion(quantized, 
 
 @pytest.mark.parametrize("family", ["llama2", "llama3.2", "qwen3"])
 def test_int8_logits_stay_close_to_transformers(quantized, family):
-    parity = _parity()
     runner, ref = parity.paged_model(quantized(family, "int8")), parity.reference(family)
     for i, prompt in enumerate(ref.prompts):
         n = len(prompt["ids"])
@@ -94,7 +89,6 @@ def test_int8_logits_stay_close_to_transformers(quantized, family):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_quantized_model_computes_the_model_of_its_dequantized_weights(quantized, scheme):
     """Through the paged prefill path: logits equal the float model whose weights are the dequantized values."""
-    parity = _parity()
     runner = parity.paged_model(quantized("mistral", scheme, "int8"))
     model = runner.model
     graphdef, state = nnx.split(dequantized(model))
@@ -123,9 +117,6 @@ def dequantized(model):
 
 
 def test_quantized_fixture_runs_in_the_engine_from_its_directory(quantized):
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine.engine import LLMEngine
-    from jaxserve.sampling_params import SamplingParams
     out = quantized("llama3.1", "int4")
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, page_size=16, max_model_len=64,
                           decode_buckets=(2,), prefill_token_buckets=(32,), prefill_seq_buckets=(2,),
