@@ -1,0 +1,79 @@
+"""What a step must move and compute, from the model config and the batch alone (the performance model of
+docs/DESIGN.md): the floor that any implementation pays, so achieved rates derived from it are lower bounds.
+
+    weight bytes   every weight once per step (quantized ones at their stored size: values + scales); an untied
+                   embedding table is gathered, so only the rows of the step's tokens are read
+    KV read        context tokens x KV bytes per token (each sequence's whole cache, read once by its attention)
+    KV write       new tokens x KV bytes per token
+    FLOPs          2 x decoder matmul params x tokens        (q, k, v, o, gate, up, down)
+                 + 2 x LM-head params x sequences            (logits only at each sequence's last token)
+                 + 4 x heads x head_dim x layers x pairs     (q.k and p.v for each (query, key) pair)
+
+Every term is linear in (steps, tokens, sequences, context tokens, pairs), so the same formula prices one step,
+a window of steps or the engine's running totals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.quant.memory import weight_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Bytes moved and FLOPs done by some steps."""
+
+    weight_bytes: float = 0.0
+    kv_read_bytes: float = 0.0
+    kv_write_bytes: float = 0.0
+    flops: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    """Per-unit prices of a model's steps; `num_devices` is how many devices share each step (tensor parallel)."""
+
+    step_weight_bytes: int  # read whole by every step
+    token_weight_bytes: int  # read per token (rows of a gathered, untied embedding)
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    matmul_params: int  # decoder-layer projection parameters
+    head_params: int  # LM head (vocab x hidden)
+    flops_per_pair: int  # attention FLOPs per (query, key) pair over all layers
+    num_devices: int = 1
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, weight_dtype: str, kv_bytes_per_token: int, num_devices: int = 1) -> "ModelCost":
+        total = weight_bytes(cfg, weight_dtype)
+        row = cfg.hidden_size * jnp.dtype(weight_dtype).itemsize
+        embed = cfg.vocab_size * row
+        e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        layer = e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * f
+        tied = cfg.tie_word_embeddings  # the table is then read whole as the LM head
+        return cls(step_weight_bytes=total if tied else total - embed, token_weight_bytes=0 if tied else row,
+                   kv_bytes_per_token=kv_bytes_per_token, matmul_params=cfg.num_layers * layer,
+                   head_params=cfg.vocab_size * e, flops_per_pair=4 * cfg.num_heads * d * cfg.num_layers,
+                   num_devices=num_devices)
+
+    def work(self, steps: int, tokens: int, seqs: int, context_tokens: int, attended_pairs: int) -> Work:
+        return Work(weight_bytes=steps * self.step_weight_bytes + tokens * self.token_weight_bytes,
+                    kv_read_bytes=context_tokens * self.kv_bytes_per_token,
+                    kv_write_bytes=tokens * self.kv_bytes_per_token,
+                    flops=2 * self.matmul_params * tokens + 2 * self.head_params * seqs
+                    + self.flops_per_pair * attended_pairs)
+
+    def of_records(self, records) -> Work:
+        """The work of some StepRecords (jaxserve.engine.stats)."""
+        return self.work(len(records), sum(r.num_tokens for r in records), sum(r.num_seqs for r in records),
+                         sum(r.context_tokens for r in records), sum(r.attended_pairs for r in records))
+
+    def of_totals(self, totals) -> Work:
+        """The work of an engine's running totals (jaxserve.engine.stats.StepTotals)."""
+        return self.work(totals.steps, totals.tokens, totals.seqs, totals.context_tokens, totals.attended_pairs)

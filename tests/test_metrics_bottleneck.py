@@ -1,0 +1,112 @@
+"""The bottleneck verdict on three synthetic workloads run by a real engine on this CPU, plus its parts.
+
+On CPU the "device" is XLA's thread pool on the same cores as the Python host, so the workloads are chosen to
+make each regime unambiguous whatever the load on the machine:
+
+  bandwidth  batch-1 decode at a 1,024-token context on a 7.5M-parameter float32 model: every step reads the
+             30 MB of weights and the KV cache for 2 FLOPs per weight, an arithmetic intensity near 0.5 FLOP/byte,
+             well below any CPU's ridge point (measured here: 2-3 FLOP/byte), and each step keeps the device busy
+             far longer (~20 ms) than the host needs to plan the next (~1 ms);
+  compute    prompts of 255 tokens with one output token on the same model: every step is a 256-token prefill,
+             ~128 FLOP per weight byte, fifty times the ridge point;
+  host       a 1-layer, 32-wide model flooded with 512 requests of 8 prompt tokens and 2 output tokens: the device
+             step is tiny and the host's per-request work (admission, slot assignment, detokenization, outputs)
+             dominates, so the device idles most of the time.
+
+Compute vs bandwidth is decided by intensity against the ridge point (a ratio of the two ceilings, which moves
+little with load); host vs device by the idle fraction. Each test prints its numbers (pytest -s shows them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.models.llama import random_model
+from jaxserve.observability.bottleneck import model_cost, window_report
+from jaxserve.observability.ceilings import device_ceilings
+from jaxserve.sampling_params import SamplingParams
+
+MEDIUM = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=384, intermediate_size=1024,
+                     num_layers=4, num_heads=6, num_kv_heads=6, head_dim=64, max_position_embeddings=2048,
+                     dtype="float32")
+MEDIUM_ENGINE = EngineConfig(max_num_seqs=1, max_num_batched_tokens=256, page_size=16, max_model_len=1088,
+                             decode_buckets=(1,), prefill_token_buckets=(256,), prefill_seq_buckets=(1,),
+                             context_buckets=(1088,), kv_cache_memory=2**26, compilation_cache_dir="",
+                             xla_optimization_level=0)
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=32, intermediate_size=64,
+                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=512,
+                   dtype="float32")
+TINY_ENGINE = EngineConfig(max_num_seqs=64, max_num_batched_tokens=256, page_size=8, max_model_len=32,
+                           decode_buckets=(64,), prefill_token_buckets=(256,), prefill_seq_buckets=(64,),
+                           context_buckets=(32,), kv_cache_memory=2**22, compilation_cache_dir="")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ceilings(tmp_path_factory):
+    """Measured now (not from a cache another run wrote), once for the module."""
+    return device_ceilings(jax.devices()[0], "float32", tmp_path_factory.mktemp("ceilings"))
+
+
+@pytest.fixture(scope="module")
+def medium_engine():
+    return LLMEngine(random_model(MEDIUM, jnp.float32), MEDIUM_ENGINE, show_progress=False)
+
+
+def run(engine: LLMEngine, prompts, params: SamplingParams, tag: str) -> list:
+    """Runs the requests to completion; returns the step records of the run."""
+    first = engine.stats.num_steps
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    engine.run_until_done()
+    return list(engine.stats.steps)[len(engine.stats.steps) - (engine.stats.num_steps - first):]
+
+
+def describe(name: str, report, ceilings) -> str:
+    return (f"{name}: verdict {report.verdict} over {report.steps} steps; device busy {report.busy_seconds:.3f}s, "
+            f"idle {report.idle_seconds:.3f}s (idle fraction {report.idle_fraction:.2f}); bandwidth "
+            f"{report.achieved_bandwidth / 1e9:.2f} GB/s = {report.bandwidth_fraction:.3f} of "
+            f"{ceilings.bandwidth / 1e9:.1f}; compute {report.achieved_flops / 1e9:.2f} GFLOP/s = "
+            f"{report.compute_fraction:.3f} of {ceilings.flops / 1e9:.1f}; intensity "
+            f"{report.work.flops / report.work.bytes:.1f} FLOP/byte vs ridge {ceilings.ridge_point:.1f}")
+
+
+def test_long_context_batch_1_decode_is_bandwidth_bound(medium_engine, ceilings):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, MEDIUM.vocab_size, 1023).tolist()
+    records = run(medium_engine, [prompt], SamplingParams(max_tokens=48, **GREEDY), "decode")
+    decode = [r for r in records if r.shape.kind == "decode"]
+    report = window_report(decode[4:], model_cost(medium_engine), ceilings)  # steady state, context >= 1,027
+    print(describe("batch-1 decode", report, ceilings))
+    assert report.verdict == "bandwidth"
+    assert report.bandwidth_fraction > 2 * report.compute_fraction
+    assert report.idle_fraction < 0.3
+
+
+def test_large_prefills_are_compute_bound(medium_engine, ceilings):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, MEDIUM.vocab_size, 255).tolist() for _ in range(4)]
+    records = run(medium_engine, prompts, SamplingParams(max_tokens=1, **GREEDY), "prefill")
+    assert all(r.shape.kind == "prefill" and r.num_tokens == 255 for r in records)
+    report = window_report(records, model_cost(medium_engine), ceilings)
+    print(describe("256-token prefills", report, ceilings))
+    assert report.verdict == "compute"
+    assert report.compute_fraction > 10 * report.bandwidth_fraction
+    assert report.idle_fraction < 0.3
+
+
+def test_flood_of_short_requests_on_a_tiny_model_is_host_bound(ceilings):
+    engine = LLMEngine(random_model(TINY, jnp.float32), TINY_ENGINE, show_progress=False)
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    run(engine, [rng.integers(3, 250, 8).tolist() for _ in range(512)], params, "warmup")
+    records = run(engine, [rng.integers(3, 250, 8).tolist() for _ in range(512)], params, "flood")
+    report = window_report(records, model_cost(engine), ceilings)
+    print(describe("flood of short requests", report, ceilings))
+    assert report.verdict == "host"
+    assert report.idle_fraction > 0.6
