@@ -11,7 +11,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: test test-slow serve bench-cpu clean
+.PHONY: test test-slow serve bench-cpu clean browser
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"jaxserve needs Python >= 3.12 (JAX >= 0.11 does); $(PYTHON) is {sys.version.split()[0]}. Set PYTHON=/path/to/python3.12"'
@@ -20,8 +20,20 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install --quiet -c requirements-dev.txt -e '.[test,train]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q -m "not slow"
+
+# The dashboard's browser test (tests/test_dashboard.py) drives Debian's Chromium with Playwright: installed here
+# when missing (as root, as CI runs, or with passwordless sudo); a no-op when both are there. If the install fails
+# the test fails, saying why. JAXSERVE_SKIP_BROWSER=1 skips the install and the test.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+browser: $(STAMP)
+ifneq ($(JAXSERVE_SKIP_BROWSER),1)
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium for the dashboard browser test"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+		>/dev/null; } || echo "could not install chromium: tests/test_dashboard.py will fail (see above)"
+	@$(PY) -c 'import playwright' 2>/dev/null || $(PY) -m pip install --quiet -c requirements-dev.txt playwright
+endif
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

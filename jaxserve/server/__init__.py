@@ -7,5 +7,6 @@
     streaming.py   SSE framing, stream merging, disconnects    logprobs.py   the two OpenAI logprob shapes
     middleware.py  request id, access log, auth, body limit    lifecycle.py  draining on SIGTERM
     metrics.py     Prometheus registry per server              openapi.py    /openapi.json
+    dashboard.py   /dashboard (dashboard.html) and its JSON
     state.py       ServerState: what handlers share            errors.py     OpenAI-shaped errors
 """

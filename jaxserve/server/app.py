@@ -4,6 +4,8 @@
     POST /v1/chat/completions   chat.py               GET /health        200 while the engine runs, else 503
     POST /tokenize              text/messages -> ids  GET /metrics       Prometheus (metrics.py)
     POST /detokenize            ids -> text           GET /openapi.json  openapi.py
+                                                      GET /dashboard     live plots (dashboard.py), polling
+                                                      GET /dashboard/data  their JSON
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.routing import Route
 
 from jaxserve.server.chat import chat_prompt, check_chat_request, create_chat_completion
 from jaxserve.server.completions import create_completion
+from jaxserve.server.dashboard import dashboard, dashboard_data
 from jaxserve.server.errors import APIError, bad_request, internal_error
 from jaxserve.server.generation import check_model, read_json, run_tokenizer
 from jaxserve.server.metrics import CONTENT_TYPE
@@ -97,6 +100,8 @@ ROUTES = (
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/openapi.json", openapi, methods=["GET"]),
+    Route("/dashboard", dashboard, methods=["GET"]),
+    Route("/dashboard/data", dashboard_data, methods=["GET"]),
 )
 
 

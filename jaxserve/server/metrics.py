@@ -1,21 +1,31 @@
 """Prometheus metrics of one server, in a registry of its own (never prometheus_client's global one, so two
 servers in one process, as in tests, do not share counts). Names mirror vLLM's with the `jaxserve:` prefix
-(vllm:num_requests_running -> jaxserve:num_requests_running), so existing dashboards need only a rename.
+(vllm:num_requests_running -> jaxserve:num_requests_running), so existing dashboards need only a rename; the
+list, and the bottleneck verdict's definitions, are in docs/metrics.md.
 
 Two kinds, two places to add more:
   - events (a request finished, was rejected, an HTTP response was sent): declare the metric in
     `ServerMetrics.__init__`, observe it in the `observe_*` method for that event (or add one);
-  - engine state (queue lengths, KV usage, engine counters): read at scrape time in `EngineStateCollector.collect`,
-    so nothing samples on a timer.
+  - engine state (queue lengths, KV usage, engine counters, the bottleneck verdict): read at scrape time in
+    `EngineStateCollector.collect`, so nothing samples on a timer.
+
+`dashboard_snapshot()` gives the /dashboard page the same numbers as JSON, plus latency percentiles over the
+requests that finished in the last LATENCY_WINDOW_SECONDS.
 """
 
 from __future__ import annotations
+
+import collections
+import dataclasses
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from jaxserve.config import default_compilation_cache_dir
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.observability.bottleneck import VERDICTS, BottleneckMonitor, monitor_for
 from jaxserve.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -26,13 +36,29 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+LATENCY_WINDOW_SECONDS = 60.0
+LATENCY_WINDOW_REQUESTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTimes:
+    """One finished request's latencies (seconds; None where it has no such interval)."""
+
+    finished: float  # time.monotonic()
+    ttft: float | None
+    tpot: float | None
+    e2e: float | None
+    queue: float | None
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, monitor: BottleneckMonitor | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(EngineStateCollector(engine, model_name))
+        self.engine = engine
+        self.monitor = monitor or monitor_for(llm_engines(engine), ceilings_cache_dir(engine))
+        self.recent: collections.deque[RequestTimes] = collections.deque(maxlen=LATENCY_WINDOW_REQUESTS)
+        self.registry.register(EngineStateCollector(engine, model_name, self.monitor))
         model = ["model_name"]
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished requests.", model,
                                      registry=self.registry)
@@ -49,8 +75,18 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("jaxserve:time_per_output_token_seconds", "Mean time per output token after the "
                               "first, per request.", model, buckets=TPOT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Time between successive tokens of a "
+                             "request (every gap).", model, buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.", model,
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("jaxserve:request_queue_time_seconds", "Arrival to first scheduled.", model,
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram("jaxserve:request_prefill_time_seconds", "First scheduled to first token.",
+                                      model, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.decode_time = Histogram("jaxserve:request_decode_time_seconds", "First token to last token.", model,
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inference_time = Histogram("jaxserve:request_inference_time_seconds", "First scheduled to last "
+                                        "token.", model, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.request_prompt_tokens = Histogram("jaxserve:request_prompt_tokens", "Prompt length per request.",
                                                model, buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
         self.request_generation_tokens = Histogram("jaxserve:request_generation_tokens", "Generated tokens per "
@@ -74,12 +110,20 @@ class ServerMetrics:
         m, name = output.metrics, self.model_name
         if m is None or m.first_token_time is None:
             return
-        self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+        times = request_times(output)
+        self.ttft.labels(name).observe(times.ttft)
+        for value, histogram in ((times.tpot, self.tpot), (times.e2e, self.e2e), (times.queue, self.queue_time)):
+            if value is not None:
+                histogram.labels(name).observe(value)
+        for gap in m.inter_token_latencies:
+            self.itl.labels(name).observe(gap)
+        if m.first_scheduled_time is not None:
+            self.prefill_time.labels(name).observe(m.first_token_time - m.first_scheduled_time)
+            if m.last_token_time is not None:
+                self.inference_time.labels(name).observe(m.last_token_time - m.first_scheduled_time)
         if m.last_token_time is not None:
-            self.e2e.labels(name).observe(m.last_token_time - m.arrival_time)
-            longest = max(len(sample.token_ids) for sample in output.outputs)
-            if longest > 1:
-                self.tpot.labels(name).observe((m.last_token_time - m.first_token_time) / (longest - 1))
+            self.decode_time.labels(name).observe(m.last_token_time - m.first_token_time)
+        self.recent.append(times)
 
     def observe_aborted(self, num_samples: int) -> None:
         """A request whose client went away before it finished."""
@@ -94,30 +138,148 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
+    # ---- the dashboard --------------------------------------------------------------------------------------
+    def dashboard_snapshot(self) -> dict:
+        """Everything /dashboard plots, now. Rates are left to the page (differences of the `totals` between
+        two polls), so this holds no history but the recent requests' latencies."""
+        engines = llm_engines(self.engine)
+        report = self.monitor.report()
+        cutoff = time.monotonic() - LATENCY_WINDOW_SECONDS
+        recent = [t for t in tuple(self.recent) if t.finished >= cutoff]
+        ceilings = self.monitor.ceilings
+        return {
+            "time": time.time(),
+            "model": self.model_name,
+            "totals": {"steps": sum(e.stats.totals.steps for e in engines),
+                       "tokens": sum(e.stats.totals.tokens for e in engines),
+                       "generated_tokens": sum(e.stats.totals.sampled_tokens for e in engines)},
+            "latency_window_seconds": LATENCY_WINDOW_SECONDS,
+            "finished_requests": len(recent),
+            "ttft": percentiles([t.ttft for t in recent]),
+            "tpot": percentiles([t.tpot for t in recent]),
+            "e2e": percentiles([t.e2e for t in recent]),
+            "queue": percentiles([t.queue for t in recent]),
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+            "kv_cache_usage": kv_cache_usage(engines),
+            "preemptions": sum(e.scheduler.num_preemptions for e in engines),
+            "bottleneck": {"window_seconds": self.monitor.window_seconds, **report.as_dict()},
+            "ceilings": {"device": ceilings.device_kind, "bandwidth": ceilings.bandwidth, "flops": ceilings.flops,
+                         "dtype": ceilings.dtype, "source": ceilings.source,
+                         "devices": self.monitor.cost.num_devices},
+            "engine_alive": self.engine.is_alive,
+        }
+
+
+def request_times(output: RequestOutput) -> RequestTimes:
+    m = output.metrics
+    longest = max((len(sample.token_ids) for sample in output.outputs), default=0)
+    last = m.last_token_time
+    return RequestTimes(
+        finished=time.monotonic(), ttft=m.first_token_time - m.arrival_time,
+        tpot=(last - m.first_token_time) / (longest - 1) if last is not None and longest > 1 else None,
+        e2e=last - m.arrival_time if last is not None else None,
+        queue=m.first_scheduled_time - m.arrival_time if m.first_scheduled_time is not None else None)
+
+
+def percentiles(values, qs=(50, 90, 99)) -> dict[str, float | None]:
+    """Nearest-rank percentiles of the values that are not None (None when there are none)."""
+    data = sorted(v for v in values if v is not None)
+    if not data:
+        return {f"p{q}": None for q in qs}
+    return {f"p{q}": data[min(len(data) - 1, max(0, -(-q * len(data) // 100) - 1))] for q in qs}
+
+
+def llm_engines(engine) -> list:
+    """The LLMEngines behind an AsyncEngine, or behind each replica of a data-parallel ReplicaRouter."""
+    replicas = getattr(engine, "replicas", None)
+    return [replica.engine for replica in replicas] if replicas else [engine.engine]
+
+
+def ceilings_cache_dir(engine) -> str:
+    """The device-ceilings cache lives with the compilation cache (its default place when that is disabled)."""
+    return engine.engine.config.compilation_cache_dir or default_compilation_cache_dir()
+
+
+def kv_cache_usage(engines) -> float:
+    return sum(e.scheduler.allocator.usage for e in engines) / len(engines)
+
 
 class EngineStateCollector:
     """Engine state, read when Prometheus scrapes. Reads plain counters the engine thread writes: a scrape may
     see a value one step old, never a torn one."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, monitor: BottleneckMonitor):
         self.engine = engine
         self.model_name = model_name
+        self.monitor = monitor
 
     def collect(self):
         labels = [self.model_name]
-        scheduler = self.engine.engine.scheduler
+        engines = llm_engines(self.engine)
         yield _gauge("jaxserve:num_requests_running", "Sequences in the running batch.", self.engine.num_running,
                      labels)
         yield _gauge("jaxserve:num_requests_waiting", "Sequences waiting to be scheduled.",
                      self.engine.num_waiting, labels)
         yield _gauge("jaxserve:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).",
-                     scheduler.allocator.usage, labels)
+                     kv_cache_usage(engines), labels)
         yield _gauge("jaxserve:engine_alive", "1 while the engine loop runs, 0 once it has died.",
                      int(self.engine.is_alive), labels)
-        preemptions = CounterMetricFamily("jaxserve:num_preemptions", "Sequences preempted (recomputed later).",
-                                          labels=["model_name"])
-        preemptions.add_metric(labels, scheduler.num_preemptions)
-        yield preemptions
+        yield _counter("jaxserve:num_preemptions", "Sequences preempted (recomputed later).",
+                       sum(e.scheduler.num_preemptions for e in engines), labels)
+        prefix = [e.scheduler.allocator.stats for e in engines]
+        yield _counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       sum(s.queries for s in prefix), labels)
+        yield _counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                       sum(s.hits for s in prefix), labels)
+        yield from self._step_counters(engines, labels)
+        yield from self._bottleneck(labels)
+
+    def _step_counters(self, engines, labels):
+        totals = [e.stats.totals for e in engines]
+        yield _counter("jaxserve:engine_steps", "Model steps run.", sum(t.steps for t in totals), labels)
+        yield _counter("jaxserve:device_busy_seconds", "Device time of the steps (docs/metrics.md).",
+                       sum(t.device_seconds for t in totals), labels)
+        yield _counter("jaxserve:device_idle_seconds", "Time the device sat idle waiting for the host while the "
+                       "engine had work.", sum(t.host_gap_seconds for t in totals), labels)
+        work = self.monitor.total_work()
+        moved = CounterMetricFamily("jaxserve:step_bytes", "Bytes the steps had to move (the floor: weights once "
+                                    "per step, KV read and written).", labels=["model_name", "kind"])
+        for kind, value in (("weights", work.weight_bytes), ("kv_read", work.kv_read_bytes),
+                            ("kv_write", work.kv_write_bytes)):
+            moved.add_metric([*labels, kind], value)
+        yield moved
+        yield _counter("jaxserve:step_flops", "FLOPs the steps had to do.", work.flops, labels)
+
+    def _bottleneck(self, labels):
+        report, ceilings = self.monitor.report(), self.monitor.ceilings
+        verdict = GaugeMetricFamily("jaxserve:bottleneck", "1 for the current bottleneck verdict over the "
+                                    "sliding window (compute, bandwidth, capacity, host; idle: no steps).",
+                                    labels=["model_name", "verdict"])
+        for name in VERDICTS:
+            verdict.add_metric([*labels, name], int(name == report.verdict))
+        yield verdict
+        for name, value, doc in (
+                ("bandwidth_fraction", report.bandwidth_fraction, "Achieved bytes/s over device time, as a "
+                 "fraction of the device's copy bandwidth."),
+                ("compute_fraction", report.compute_fraction, "Achieved FLOP/s over device time, as a fraction of "
+                 "the device's matmul FLOP/s."),
+                ("idle_fraction", report.idle_fraction, "Share of the engine's busy time the device sat idle "
+                 "waiting for the host."),
+                ("capacity_fraction", report.capacity_fraction, "Share of steps planned while requests waited "
+                 "for KV-cache pages."),
+                ("window_seconds", self.monitor.window_seconds, "The sliding window of the verdict.")):
+            yield _gauge(f"jaxserve:bottleneck_{name}", doc, value, labels)
+        yield _gauge("jaxserve:device_achieved_bandwidth_bytes_per_second", "Bytes moved per second of device "
+                     "time over the window, all devices.", report.achieved_bandwidth, labels)
+        yield _gauge("jaxserve:device_achieved_flops_per_second", "FLOPs per second of device time over the "
+                     "window, all devices.", report.achieved_flops, labels)
+        yield _gauge("jaxserve:device_bandwidth_ceiling_bytes_per_second", "Copy bandwidth of one device "
+                     "(measured at start-up, or the datasheet's).", ceilings.bandwidth, labels)
+        yield _gauge("jaxserve:device_flops_ceiling_per_second", f"Matmul FLOP/s of one device in "
+                     f"{ceilings.dtype} (measured at start-up, or the datasheet's).", ceilings.flops, labels)
+        yield _gauge("jaxserve:num_devices", "Devices each engine replica runs on.", self.monitor.cost.num_devices,
+                     labels)
 
     def describe(self):
         return []
@@ -127,3 +289,9 @@ def _gauge(name: str, documentation: str, value: float, labels: list[str]) -> Ga
     gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
     gauge.add_metric(labels, value)
     return gauge
+
+
+def _counter(name: str, documentation: str, value: float, labels: list[str]) -> CounterMetricFamily:
+    counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+    counter.add_metric(labels, value)
+    return counter

@@ -56,6 +56,10 @@ OPERATIONS = (
     Operation("/metrics", "get", "Prometheus metrics", {"type": "string"}, needs_key=False, errors=(),
               media_type="text/plain"),
     Operation("/openapi.json", "get", "This document", {"type": "object"}, needs_key=False, errors=()),
+    Operation("/dashboard", "get", "Live dashboard (HTML)", {"type": "string"}, needs_key=False, errors=(),
+              media_type="text/html"),
+    Operation("/dashboard/data", "get", "The dashboard's data: throughput totals, latency percentiles, KV usage, "
+              "queues, bottleneck verdict (docs/metrics.md)", {"type": "object"}, needs_key=False, errors=()),
 )
 
 
