@@ -216,3 +216,11 @@ def test_percentiles_nearest_rank():
     values = list(range(1, 101))
     assert percentiles(values) == {"p50": 50, "p90": 90, "p99": 99}
     assert percentiles([None, 3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+
+
+def test_server_metrics_read_every_data_parallel_replica():
+    from jaxserve.server.metrics import llm_engines
+    router = types.SimpleNamespace(replicas=[types.SimpleNamespace(engine="e0"), types.SimpleNamespace(engine="e1")],
+                                   engine="e0")
+    assert llm_engines(router) == ["e0", "e1"]
+    assert llm_engines(types.SimpleNamespace(engine="only")) == ["only"]

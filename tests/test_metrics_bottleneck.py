@@ -1,14 +1,15 @@
-"""The bottleneck verdict on three synthetic workloads run by a real engine on this CPU, plus its parts.
+"""The bottleneck verdict on three synthetic workloads run by a real engine on this CPU (the parts are tested by
+hand in test_metrics_accounting.py; the numbers measured here are in docs/metrics.md).
 
 On CPU the "device" is XLA's thread pool on the same cores as the Python host, so the workloads are chosen to
 make each regime unambiguous whatever the load on the machine:
 
   bandwidth  batch-1 decode at a 1,024-token context on a 7.5M-parameter float32 model: every step reads the
              30 MB of weights and the KV cache for 2 FLOPs per weight, an arithmetic intensity near 0.5 FLOP/byte,
-             well below any CPU's ridge point (measured here: 2-3 FLOP/byte), and each step keeps the device busy
-             far longer (~20 ms) than the host needs to plan the next (~1 ms);
+             well below any CPU's ridge point (measured here: 1.6-2.8 FLOP/byte), and each step keeps the device busy
+             far longer (~45 ms here) than the host needs to plan the next (~1 ms);
   compute    prompts of 255 tokens with one output token on the same model: every step is a 256-token prefill,
-             ~128 FLOP per weight byte, fifty times the ridge point;
+             ~100 FLOP per byte, forty times the ridge point or more;
   host       a 1-layer, 32-wide model flooded with 512 requests of 8 prompt tokens and 2 output tokens: the device
              step is tiny and the host's per-request work (admission, slot assignment, detokenization, outputs)
              dominates, so the device idles most of the time.
