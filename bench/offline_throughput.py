@@ -15,6 +15,7 @@ device sat idle waiting for the host.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -24,11 +25,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
 from jaxserve.engine import replicas
 from jaxserve.engine.engine import LLMEngine, resolve_dtype
 from jaxserve.engine.replicas import DataParallelEngine
+from jaxserve.models.linear import dense
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
 
@@ -56,7 +59,7 @@ def build_engine(args) -> LLMEngine | DataParallelEngine:
     config = EngineConfig(**{**options, **json.loads(args.engine_args)})
     if args.model:
         return replicas.build_engine(args.model, config)
-    cfg = preset_config(args.preset, args.dtype)
+    cfg = dataclasses.replace(preset_config(args.preset, args.dtype), quantization=args.quantize)
     model = random_model(cfg, numpy_dtype(resolve_dtype(config.dtype, args.dtype)), seed=0)
     if config.data_parallel_size > 1:
         return DataParallelEngine([LLMEngine(model, config, mesh=mesh)
@@ -84,26 +87,26 @@ def run_batch_replicas(front: DataParallelEngine, n: int, args) -> dict:
 
 
 def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20) -> float:
-    """Seconds for one decode step's weight matmuls alone: x[batch] through every projection and the LM head."""
-    params = engine.runner.params
-    layers = params["layers"]
-    names = ["wq", "wk", "wv", "w_gate", "w_up"]
+    """Seconds for one decode step's weight matmuls alone: x[batch] through every projection of every layer and
+    the LM head, through the same `dense` the model uses (so quantized weights take the same kernels)."""
+    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    impl = engine.matmul_impl
 
     def step(x):
-        def one_layer(x, w):
-            outs = [jnp.einsum("be,e...->b...", x, w[n][...], preferred_element_type=jnp.float32) for n in names]
-            attn = jnp.einsum("bhd,hde->be", outs[0].astype(x.dtype), w["wo"][...],
-                              preferred_element_type=jnp.float32)
-            mlp = jnp.einsum("bf,fe->be", (outs[3] * outs[4]).astype(x.dtype), w["w_down"][...],
-                             preferred_element_type=jnp.float32)
-            return (x + attn + mlp + outs[1].sum() + outs[2].sum()).astype(x.dtype), None
+        graphdef, stacked = nnx.split(model.layers)
 
-        x, _ = jax.lax.scan(one_layer, x, layers)
-        head = params["lm_head"][...] if "lm_head" in params else params["embed"][...].T
-        return jnp.einsum("be,ev->bv", x, head, preferred_element_type=jnp.float32)
+        def one_layer(x, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            q, k, v = (dense(x, w, "te,ehd->thd", impl=impl) for w in (layer.wq, layer.wk, layer.wv))
+            attn = dense(q, layer.wo, "thd,hde->te", impl=impl)
+            gate, up = dense(x, layer.w_gate, "te,ef->tf", impl=impl), dense(x, layer.w_up, "te,ef->tf", impl=impl)
+            mlp = dense(gate * up, layer.w_down, "tf,fe->te", impl=impl)
+            return x + attn + mlp + (k.sum() + v.sum()).astype(x.dtype), None
 
-    dtype = params["embed"][...].dtype
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, engine.model_config.hidden_size)), dtype)
+        x, _ = jax.lax.scan(one_layer, x, stacked)
+        return model.logits(x, impl)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, engine.model_config.hidden_size)), model.dtype)
     fn = jax.jit(step)
     fn(x).block_until_ready()
     times = []
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
     src.add_argument("--preset", choices=sorted(PRESETS), default="small", help="random Llama of this shape")
     src.add_argument("--model", help="a converted jaxserve checkpoint instead of a random model")
     ap.add_argument("--dtype", default="bfloat16", help="stored weight dtype of the random model")
+    ap.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization of the random model")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
