@@ -76,7 +76,8 @@ def test_decode_matches_reference(rng, group, head_dim, page_size, dtype, window
     _run_decode(rng, PagedShape(group, head_dim, page_size, dtype), window, config)
 
 
-def _run_ragged(rng, shape: PagedShape, window, config, num_seqs=7, max_pages=6, num_tokens=72):
+def _run_ragged(rng, shape: PagedShape, window, config, num_seqs=7, max_pages=6, num_tokens=112):
+    # num_tokens bounds the mix: 1 + 24 fixed tokens plus up to 16 for each of the other 5 sequences, then padding
     max_context = max_pages * shape.page_size
     query_lens, context_lens = ragged_mix(rng, num_seqs, max_context, max_chunk=16)
     query_lens[:2], context_lens[:2] = [1, 24], [1, max_context - 3]  # a 1-token prompt; a long chunk after a prefix
