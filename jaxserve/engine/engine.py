@@ -42,11 +42,24 @@ from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfi
 log = logging.getLogger(__name__)
 
 
-def resolve_attention(impl: str, what: str = "attention") -> str:
+def resolve_attention(impl: str, kv_dtype) -> str:
+    """`auto`: the Pallas kernels on a GPU; on a CPU the C++ kernel for float caches if it builds, else XLA."""
+    if impl == "auto":
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        from jaxserve import cpu
+        return "cpu" if jax.default_backend() == "cpu" and cpu.supports(kv_dtype) and cpu.available() else "xla"
+    if impl not in ("pallas", "xla", "cpu"):
+        raise ValueError(f"attention must be auto, pallas, cpu or xla, not {impl!r}")
+    return impl
+
+
+def resolve_matmul(impl: str) -> str:
+    """For quantized weights: `auto` is the Pallas kernel on a GPU, XLA elsewhere."""
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl not in ("pallas", "xla"):
-        raise ValueError(f"{what} must be auto, pallas or xla, not {impl!r}")
+        raise ValueError(f"matmul must be auto, pallas or xla, not {impl!r}")
     return impl
 
 
@@ -67,9 +80,9 @@ class LLMEngine:
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
         self.max_model_len = config.resolved_max_model_len(model.cfg)
-        self.attention_impl = resolve_attention(config.attention)
-        self.matmul_impl = resolve_attention(config.matmul, "matmul")  # used by quantized weights only
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
+        self.attention_impl = resolve_attention(config.attention, self.kv_dtype)
+        self.matmul_impl = resolve_matmul(config.matmul)  # used by quantized weights only
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)
         self.kv_plan = self._plan_kv(model)

@@ -1,7 +1,8 @@
 """Paged attention as the models see it: write this step's K/V into the cache, then attend.
 
 One dispatch (`impl`): "xla" runs the jnp implementation below everywhere; "pallas" runs the kernels in
-`pallas_kernels` (compiled for GPU, interpreted on CPU). The engine resolves "auto" before tracing.
+`pallas_kernels` (compiled for GPU, interpreted on CPU); "cpu" runs the C++ kernel of jaxserve.cpu (float caches on
+the CPU backend). The engine resolves "auto" before tracing.
 
 Quantized caches (int8 with per-token scales, fp8; jaxserve.quant.kv) are dequantized on load by both paths:
 the cache values are cast to the query dtype, K's scales multiply the logits and V's the probabilities.
@@ -53,6 +54,10 @@ def _attend_local_heads(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     if impl == "pallas":
         out = _pallas_attention(q, cache, layer, meta, scale, sliding_window)
+    elif impl == "cpu":
+        from jaxserve import cpu
+        out = cpu.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, meta.query_start,
+                                  scale=scale, sliding_window=sliding_window)
     elif impl == "xla":
         if meta.is_decode:
             out = decode_attention_xla(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
@@ -61,7 +66,7 @@ def _attend_local_heads(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache
             out = ragged_attention_xla(q, cache.k, cache.v, layer, meta, scale=scale, sliding_window=sliding_window,
                                        **scales)
     else:
-        raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
+        raise ValueError(f"attention impl must be 'xla', 'pallas' or 'cpu', got {impl!r}")
     return out.astype(q.dtype).reshape(t, kvh, group, d), cache
 
 

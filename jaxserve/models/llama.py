@@ -197,12 +197,13 @@ class Llama(nnx.Module):
         """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan."""
         graphdef, stacked = nnx.split(self.layers)
 
-        def step(carry, xs):
-            layer_state, index = xs
+        def step(carry, index):
+            # Index the stacked weights inside the body rather than scanning over them as xs: XLA:CPU then feeds
+            # each layer's slice to its dot instead of first copying it out (the copies were ~15% of a decode step).
+            layer_state = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), stacked)
             return body(nnx.merge(graphdef, layer_state), carry, index), None
 
-        indices = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(step, carry, (stacked, indices))
+        carry, _ = jax.lax.scan(step, carry, jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
         return carry
 
     def logits(self, hidden: jax.Array, matmul_impl: str = "xla") -> jax.Array:
