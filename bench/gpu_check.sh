@@ -11,23 +11,9 @@
 # summary.txt. Copy RESULTS.md into bench/RESULTS.md with the run's date.
 set -u -o pipefail
 
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAXSERVE_KERNEL_INTERPRET=0
-PY=${PYTHON:-python3}
-START=$SECONDS
 BUDGET=${BUDGET_S:-470}  # whole script, seconds
-
-# cap SECONDS: run the rest of the command line with at most SECONDS, and never past the overall budget.
-cap() {
-  local want=$1; shift
-  local left=$((BUDGET - (SECONDS - START)))
-  local limit=$((want < left ? want : left))
-  if ((limit < 20)); then echo "skipped (budget spent): $*"; return 124; fi
-  timeout --kill-after=10 "$limit" "$@"
-}
-
-phase() { echo; echo "=== $1 ($((SECONDS - START)) s elapsed)"; }
+source bench/gpu_lib.sh
+export JAXSERVE_KERNEL_INTERPRET=0
 
 phase "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true

@@ -9,20 +9,8 @@
 # PARALLEL.txt (one line per row).
 set -u -o pipefail
 
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-START=$SECONDS
 BUDGET=${PARALLEL_BUDGET_S:-300}
-
-cap() {
-  local want=$1; shift
-  local left=$((BUDGET - (SECONDS - START)))
-  local limit=$((want < left ? want : left))
-  if ((limit < 20)); then echo "skipped (budget spent): $*"; return 124; fi
-  timeout --kill-after=10 "$limit" "$@"
-}
+source bench/gpu_lib.sh
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 echo; echo "=== tensor parallelism ($GPUS GPUs)"

@@ -15,22 +15,10 @@
 # QUANT_RESULTS.md, quant_summary.txt. Copy QUANT_RESULTS.md into bench/RESULTS.md with the run's date.
 set -u -o pipefail
 
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAXSERVE_KERNEL_INTERPRET=0
-PY=${PYTHON:-python3}
-START=$SECONDS
 BUDGET=${QUANT_BUDGET_S:-420}
-
-cap() {
-  local want=$1; shift
-  local left=$((BUDGET - (SECONDS - START)))
-  local limit=$((want < left ? want : left))
-  if ((limit < 20)); then echo "skipped (budget spent): $*"; return 124; fi
-  timeout --kill-after=10 "$limit" "$@"
-}
-
-phase() { echo; echo "=== quant: $1 ($((SECONDS - START)) s elapsed)"; }
+PHASE_PREFIX="quant: "
+source bench/gpu_lib.sh
+export JAXSERVE_KERNEL_INTERPRET=0
 
 phase "kernel tests on the GPU"
 cap 120 $PY -m pytest -q -p no:cacheprovider --durations=5 tests/test_quant_kernels.py \

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from jaxserve.kv.cache import AttentionMetadata  # noqa: E402
 from jaxserve.models import attention as xla_attention  # noqa: E402
+from jaxserve.observability.ceilings import ProbeSize, measure_copy_bandwidth  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
 from pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
 
@@ -90,16 +91,10 @@ def seconds_per_call(fn, args, setup: Setup, run=None) -> float:
 
 
 def copy_bandwidth(setup: Setup) -> float:
-    """Bytes per second of a large on-device elementwise pass (each byte read once and written once)."""
-    x = jnp.zeros(setup.copy_bytes // 4, jnp.float32)
-    step = jax.jit(lambda x: x + 1.0)
-    jax.block_until_ready(step(x))
-    times = []
-    for _ in range(max(3, setup.reps)):
-        start = time.perf_counter()
-        jax.block_until_ready(step(x))
-        times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / min(times)
+    """Bytes per second of an in-place elementwise pass: the probe the engine's metrics use for its ceiling."""
+    size = ProbeSize(setup.copy_bytes, copy_passes=8 if jax.default_backend() == "gpu" else 1, matmul_n=0,
+                     repeats=max(3, setup.reps))
+    return measure_copy_bandwidth(jax.devices()[0], size)
 
 
 # ---------------------------------------------------------------------------------------------- problems
