@@ -36,7 +36,7 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""
         finals: dict[str, RequestOutput] = {}
-        request_ids = self._submit(prompts, sampling_params)
+        request_ids = self._submit(prompts, sampling_params, stream=False)  # no per-step outputs to build
         for output in self._drive():
             if output.finished:
                 finals[output.request_id] = output
@@ -46,10 +46,10 @@ class LLM:
                         sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                         ) -> Iterator[RequestOutput]:
         """Yields each request's output every time it gains tokens (`new_text`/`new_token_ids` hold the delta)."""
-        self._submit(prompts, sampling_params)
+        self._submit(prompts, sampling_params, stream=True)
         yield from self._drive()
 
-    def _submit(self, prompts, sampling_params) -> list[str]:
+    def _submit(self, prompts, sampling_params, stream: bool) -> list[str]:
         prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -57,7 +57,7 @@ class LLM:
         request_ids = []
         for prompt, p in zip(prompts, params):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p or SamplingParams())
+            self.engine.add_request(request_id, prompt, p or SamplingParams(), stream=stream)
             request_ids.append(request_id)
         return request_ids
 
