@@ -4,8 +4,8 @@
 For each batch size N: N requests of random-token prompts (input-len tokens) each generating exactly output-len
 tokens (EOS ignored, greedy), all submitted at once. Reports output and total tokens/s, the mean decode step time,
 and, measured in the same run, the bare weight matmuls of one decode step at that batch (the floor: every weight
-read once, no attention, no sampling, no host work), the ratio between the two, and the share of wall time the
-device sat idle waiting for the host.
+read once, no attention, no sampling, no host work; on a CPU also with one array per layer, see
+weight_matmul_floor), the ratio between the two, and the share of wall time the device sat idle waiting for the host.
 
     python bench/offline_throughput.py --preset small --batch-sizes 1 16 64
     python bench/offline_throughput.py --model checkpoints/demo --batch-sizes 8
@@ -86,33 +86,44 @@ def run_batch_replicas(front: DataParallelEngine, n: int, args) -> dict:
                 ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
-def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20) -> float:
+def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20, unstacked: bool = False) -> float:
     """Seconds for one decode step's weight matmuls alone: x[batch] through every projection of every layer and
-    the LM head, through the same `dense` the model uses (so quantized weights take the same kernels)."""
+    the LM head, through the same `dense` the model uses (so quantized weights take the same kernels).
+
+    By default the layers are scanned over the stacked weights, as the model runs them. `unstacked` copies each
+    layer's weights into arrays of their own first and unrolls the loop: on XLA:CPU, whose dots cannot read a
+    dynamic slice in place, that removes the per-layer weight copies a scan makes, so it is the true floor there
+    (it needs a second copy of the weights: CPU only)."""
     model = nnx.merge(engine.runner.graphdef, engine.runner.params)
     impl = engine.matmul_impl
+    graphdef, stacked = nnx.split(model.layers)
 
-    def step(x):
-        graphdef, stacked = nnx.split(model.layers)
+    def one_layer(x, layer_state):
+        layer = nnx.merge(graphdef, layer_state)
+        q, k, v = (dense(x, w, "te,ehd->thd", impl=impl) for w in (layer.wq, layer.wk, layer.wv))
+        attn = dense(q, layer.wo, "thd,hde->te", impl=impl)
+        gate, up = dense(x, layer.w_gate, "te,ef->tf", impl=impl), dense(x, layer.w_up, "te,ef->tf", impl=impl)
+        mlp = dense(gate * up, layer.w_down, "tf,fe->te", impl=impl)
+        return x + attn + mlp + (k.sum() + v.sum()).astype(x.dtype), None
 
-        def one_layer(x, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
-            q, k, v = (dense(x, w, "te,ehd->thd", impl=impl) for w in (layer.wq, layer.wk, layer.wv))
-            attn = dense(q, layer.wo, "thd,hde->te", impl=impl)
-            gate, up = dense(x, layer.w_gate, "te,ef->tf", impl=impl), dense(x, layer.w_up, "te,ef->tf", impl=impl)
-            mlp = dense(gate * up, layer.w_down, "tf,fe->te", impl=impl)
-            return x + attn + mlp + (k.sum() + v.sum()).astype(x.dtype), None
+    def scanned(x, stacked):
+        return model.logits(jax.lax.scan(one_layer, x, stacked)[0], impl)
 
-        x, _ = jax.lax.scan(one_layer, x, stacked)
+    def unrolled(x, per_layer):
+        for layer_state in per_layer:
+            x, _ = one_layer(x, layer_state)
         return model.logits(x, impl)
 
+    weights = stacked
+    if unstacked:
+        weights = [jax.tree.map(lambda w, i=i: jnp.array(w[i]), stacked) for i in range(engine.model_config.num_layers)]
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, engine.model_config.hidden_size)), model.dtype)
-    fn = jax.jit(step)
-    fn(x).block_until_ready()
+    fn = jax.jit(unrolled if unstacked else scanned)
+    fn(x, weights).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(x).block_until_ready()
+        fn(x, weights).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -129,6 +140,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
               if a.shape.kind == "decode" and b.shape.kind == "decode"]
     step_time = statistics.mean(decode) if decode else float("nan")
     floor = weight_matmul_floor(engine, n)
+    floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None
     out_tokens = n * args.output_len
     return dict(engine="jaxserve", model=args.model or args.preset, dtype=str(engine.runner.params["embed"][...].dtype),
                 N=n, input_len=args.input_len, output_len=args.output_len, total_s=round(wall, 3),
@@ -136,6 +148,8 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 steps=len(steps), decode_steps=len(decode) + 1 if decode else 0,
                 mean_decode_step_ms=round(step_time * 1e3, 3), matmul_floor_ms=round(floor * 1e3, 3),
                 decode_vs_floor=round(step_time / floor, 3),
+                matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
+                decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
                 device_s=round(device_seconds, 3), host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
                 attention=engine.attention_impl, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
