@@ -59,17 +59,23 @@ def available() -> bool:
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as exc:
-        log.warning("CPU attention kernel unavailable (%s); attention runs on XLA's gather path", exc)
+        detail = (getattr(exc, "stderr", None) or "").strip()[-2000:]
+        log.warning("CPU attention kernel unavailable (%s)%s; attention runs on XLA's gather path", exc,
+                    f":\n{detail}" if detail else "")
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
     return True
 
 
+def compiler() -> str | None:
+    return env_str("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def _build() -> Path:
-    compiler = env_str("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         raise FileNotFoundError("no C++ compiler (set CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine(),
                                     _cpu_model(), jax.__version__]).encode()).hexdigest()[:16]
     library = Path(default_compilation_cache_dir()).parent / "cpu_kernels" / f"paged_attention-{key}.so"
@@ -78,8 +84,8 @@ def _build() -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
-        subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)], check=True,
-                       capture_output=True)
+        subprocess.run([compiler_path, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)], check=True,
+                       capture_output=True, text=True)
         os.replace(built, library)  # atomic: a concurrent build by another process is harmless
     log.info("built the CPU attention kernel: %s", library)
     return library

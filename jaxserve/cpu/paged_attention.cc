@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -124,31 +125,32 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   }
 }
 
-// Runs fn(i) for i in [0, n) on the calling thread and the pool's threads; returns when all are done.
+// Runs fn(i) for i in [0, n) on the calling thread and the pool's threads; returns when every fn(i) has finished.
+// The caller never waits for a pool task to start: it claims items itself, so the call completes even when every
+// pool thread is busy (another step's kernel on another device, or this very call running on a pool thread).
+// A pool task that starts late finds no item left and touches only the shared counters, never the caller's stack.
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> finished{0};
+    std::mutex mu;
+    std::condition_variable all_done;
   };
-  if (workers <= 1) {
-    work();
-    return;
-  }
-  std::mutex mu;
-  std::condition_variable done;
-  int64_t running = workers - 1;
-  for (int64_t w = 0; w < workers - 1; ++w) {
-    pool.Schedule([&] {
-      work();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--running == 0) done.notify_one();
-    });
-  }
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, n, &fn] {
+    int64_t ran = 0;
+    for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1), ++ran) fn(i);
+    if (ran > 0 && shared->finished.fetch_add(ran) + ran == n) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->all_done.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t w = 0; w < helpers; ++w) pool.Schedule([work] { work(); });
   work();
-  std::unique_lock<std::mutex> lock(mu);
-  done.wait(lock, [&] { return running == 0; });
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->all_done.wait(lock, [&] { return shared->finished.load() == n; });
 }
 
 template <typename QT, typename KT>
