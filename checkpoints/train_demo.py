@@ -66,7 +66,7 @@ class TrainConfig:
     tie_word_embeddings: bool = True
     seq_len: int = 256
     batch_size: int = 16
-    steps: int = 2100  # ~98 min at the 2.8 s/step estimated for an idle 2-core CPU (README.md)
+    steps: int = 1500  # ~70 min at the 2.8 s/step estimated for an idle 2-core CPU (README.md)
     peak_lr: float = 2e-3
     min_lr_ratio: float = 0.1  # cosine decays to peak_lr * min_lr_ratio
     warmup_steps: int = 100
