@@ -306,10 +306,13 @@ def test_client_disconnect_mid_stream_frees_its_pages(server):
 
 def test_client_disconnect_while_waiting_for_a_whole_completion_frees_its_pages(server):
     wait_until_idle(server)
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True}
+    aborted = metric(server, "jaxserve:request_success_total", finished_reason="abort")
+    # 4 x 240 tokens take the tiny model about a second on a 2-core CPU: the client gives up after 0.1 s
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "n": 4, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
     wait_until_idle(server)
+    assert metric(server, "jaxserve:request_success_total", finished_reason="abort") == aborted + 4  # per sample
 
 
 def test_full_queue_answers_429_with_retry_after(server):
