@@ -70,14 +70,14 @@ def test_ragged_matches_reference(rng, group, head_dim, page_size, dtype, window
 def test_decode_matches_reference(rng, group, head_dim, page_size, dtype, window):
     """Decode is the ragged layout with one token per sequence; a 0 context is a padding row."""
     shape = PagedShape(group, head_dim, page_size, dtype)
-    lens = decode_lengths(page_size, 8 * page_size)
-    q, ck, cv, tables, lens = decode_problem(rng, shape, lens, 8)
+    lengths = decode_lengths(page_size, 8 * page_size)  # ends with 0: the last row is padding
+    q, ck, cv, tables, lens = decode_problem(rng, shape, lengths, 8)
     query_start = jnp.asarray(np.concatenate([[0], np.cumsum(np.asarray(lens) > 0)]), jnp.int32)
     layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window)
     out = cpu.paged_attention(q, ck, cv, layer, tables, lens, query_start, **kw)
     ref = rpa.ragged_paged_attention_reference(q, ck, cv, layer, tables, lens, query_start, **kw)
-    _check(out, ref, q, dtype, len(decode_lengths(page_size, 8 * page_size)) - 1)
+    _check(out, ref, q, dtype, len(lengths) - 1)
 
 
 def test_auto_picks_the_kernel_for_float_caches_only():

@@ -19,7 +19,7 @@ DEMO = ROOT / "checkpoints" / "demo"
 
 
 def python_likeness(text: str) -> dict:
-    words = [w for w in text.replace("(", " ").replace(")", " ").replace(":", " ").replace(".", " ").split()]
+    words = text.replace("(", " ").replace(")", " ").replace(":", " ").replace(".", " ").split()
     return dict(keywords=sum(keyword.iskeyword(w) for w in words), ascii=sum(c.isascii() for c in text) / len(text),
                 lines=text.count("\n"), calls=text.count("("))
 

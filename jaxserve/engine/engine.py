@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 def resolve_attention(impl: str, kv_dtype) -> str:
     """`auto`: the Pallas kernels on a GPU; on a CPU the C++ kernel for float caches if it builds, else XLA."""
     if impl == "auto":
-        if jax.default_backend() == "gpu":
+        backend = jax.default_backend()
+        if backend == "gpu":
             return "pallas"
         from jaxserve import cpu
-        return "cpu" if jax.default_backend() == "cpu" and cpu.supports(kv_dtype) and cpu.available() else "xla"
+        return "cpu" if backend == "cpu" and cpu.supports(kv_dtype) and cpu.available() else "xla"
     if impl not in ("pallas", "xla", "cpu"):
         raise ValueError(f"attention must be auto, pallas, cpu or xla, not {impl!r}")
     return impl
