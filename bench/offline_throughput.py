@@ -94,8 +94,8 @@ def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20, unstac
     layer's weights into arrays of their own first and unrolls the loop: on XLA:CPU, whose dots cannot read a
     dynamic slice in place, that removes the per-layer weight copies a scan makes, so it is the true floor there
     (it needs a second copy of the weights: CPU only)."""
-    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
-    impl = engine.matmul_impl
+    model = nnx.merge(engine.core.runner.graphdef, engine.core.runner.params)
+    impl = engine.core.matmul_impl
     graphdef, stacked = nnx.split(model.layers)
 
     def one_layer(x, layer_state):
@@ -142,7 +142,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     floor = weight_matmul_floor(engine, n)
     floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None
     out_tokens = n * args.output_len
-    return dict(engine="jaxserve", model=args.model or args.preset, dtype=str(engine.runner.params["embed"][...].dtype),
+    return dict(engine="jaxserve", model=args.model or args.preset, dtype=str(engine.core.runner.params["embed"][...].dtype),
                 N=n, input_len=args.input_len, output_len=args.output_len, total_s=round(wall, 3),
                 out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
                 steps=len(steps), decode_steps=len(decode) + 1 if decode else 0,
@@ -151,28 +151,28 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
                 decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
                 device_s=round(device_seconds, 3), host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
-                attention=engine.attention_impl, device=jax.devices()[0].device_kind,
+                attention=engine.core.attention_impl, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
 def _timed_run(engine: LLMEngine, prompts, params):
-    first_step = engine.stats.num_steps
+    first_step = engine.core.stats.num_steps
     start = time.perf_counter()
     outputs = _generate(engine, prompts, params, "run")
     wall = time.perf_counter() - start
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * params.max_tokens
-    return wall, list(engine.stats.steps)[-(engine.stats.num_steps - first_step):]
+    return wall, list(engine.core.stats.steps)[-(engine.core.stats.num_steps - first_step):]
 
 
 def _device_seconds(engine: LLMEngine, prompts, params) -> float:
     """Device time of the workload: the same run without overlap, summing how long each step kept the host
     waiting right after its dispatch (nothing else runs meanwhile)."""
-    config = engine.config
-    engine.config = config.replace(async_scheduling=False)
+    config = engine.core.config
+    engine.core.config = config.replace(async_scheduling=False)
     try:
         _, steps = _timed_run(engine, prompts, params)
     finally:
-        engine.config = config
+        engine.core.config = config
     return sum(s.waited for s in steps)
 
 
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         if isinstance(engine, DataParallelEngine):
             record = run_batch_replicas(engine, n, args)
         else:
-            record = {**run_batch(engine, n, args), "tensor_parallel_size": engine.config.tensor_parallel_size}
+            record = {**run_batch(engine, n, args), "tensor_parallel_size": engine.core.config.tensor_parallel_size}
         print(json.dumps(record), flush=True)
         if args.out:
             with open(args.out, "a") as fh:

@@ -15,7 +15,7 @@ speed-up over the bfloat16 dot, and weight bytes read per second as a fraction o
 
 End to end: a random Llama-3-8B-shaped model (bfloat16; then int8, int4 and int8 + int8 KV), one sequence of
 --input-len prompt tokens decoding --output-len tokens; decode tokens/s is 1 / the mean interval between decode
-steps (engine.stats), with attention and matmul on "auto" (Pallas on a GPU).
+steps (engine.core.stats), with attention and matmul on "auto" (Pallas on a GPU).
 
 Targets (issue 6): W8A16 >= 1.7x the bfloat16 dot at M <= 16; batch-1 decode with int8 weights >= 1.6x bfloat16.
 """
@@ -189,14 +189,14 @@ def bench_e2e(args, schemes_to_run, copy_bw: float):
         for tag in ("warm", "run"):
             engine.add_request(tag, prompt, params)
             engine.run_until_done()
-        steps = list(engine.stats.steps)[-args.output_len:]
+        steps = list(engine.core.stats.steps)[-args.output_len:]
         gaps = [b.done_at - a.done_at for a, b in zip(steps, steps[1:])
                 if a.shape.kind == "decode" and b.shape.kind == "decode"]
         step = statistics.median(gaps)
-        floor = engine.weight_bytes / copy_bw
+        floor = engine.core.weight_bytes / copy_bw
         yield [dict(section="e2e", scheme=name, batch=1, decode_tok_s=1 / step, decode_step_ms=step * 1e3,
-                    weight_floor_ms=floor * 1e3, step_vs_floor=step / floor, weight_mb=engine.weight_bytes / 2**20,
-                    compile_s=compile_s, matmul=engine.matmul_impl, attention=engine.attention_impl)]
+                    weight_floor_ms=floor * 1e3, step_vs_floor=step / floor, weight_mb=engine.core.weight_bytes / 2**20,
+                    compile_s=compile_s, matmul=engine.core.matmul_impl, attention=engine.core.attention_impl)]
         del engine, model
 
 

@@ -34,11 +34,11 @@ def greedy(engine: LLMEngine, prompts, new_tokens: int) -> tuple[list[list[int]]
     for i, p in enumerate(prompts):
         engine.add_request(f"w{i}", p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     engine.run_until_done()
-    first = engine.stats.num_steps
+    first = engine.core.stats.num_steps
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     finals = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()}
-    steps = list(engine.stats.steps)[-(engine.stats.num_steps - first):]
+    steps = list(engine.core.stats.steps)[-(engine.core.stats.num_steps - first):]
     decode = [b.done_at - a.done_at for a, b in zip(steps, steps[1:]) if b.shape.kind == "decode"]
     return [finals[str(i)] for i in range(len(prompts))], float(np.median(decode)) if decode else float("nan")
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         engine = LLMEngine(model, config.replace(tensor_parallel_size=tp), show_progress=False)
         tokens[tp], step = greedy(engine, prompts, args.new_tokens)
-        record[f"tp{tp}"] = {"mesh": engine.sharder.describe(), "attention": engine.attention_impl,
+        record[f"tp{tp}"] = {"mesh": engine.core.sharder.describe(), "attention": engine.core.attention_impl,
                              "decode_step_ms": round(step * 1e3, 3), "seconds": round(time.perf_counter() - start, 1)}
         del engine
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)

@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.engine import LLMEngine
-from jaxserve.engine.replicas import DataParallelEngine, data_parallel_meshes
+from jaxserve.engine.engine import EngineCore, LLMEngine
+from jaxserve.engine.replicas import DataParallelCore, data_parallel_meshes
 from jaxserve.models.llama import random_model
 from jaxserve.sampling_params import SamplingParams
 
@@ -78,17 +78,17 @@ def placement(engine: LLMEngine) -> dict:
         return {"spec": [a for a in x.sharding.spec], "devices": sorted(d.id for d in x.sharding.device_set),
                 "shard_shape": list(x.sharding.shard_shape(x.shape))}
 
-    flat = nnx.to_flat_state(engine.runner.params)
+    flat = nnx.to_flat_state(engine.core.runner.params)
     weights = {"/".join(map(str, path)): describe(var.get_value()) for path, var in flat}
     steps = {}
-    for shape, executable in engine.runner.model_executables.items():
+    for shape, executable in engine.core.runner.model_executables.items():
         collectives = Counter(f"{m.group(2)} {m.group(1)}" for m in map(COLLECTIVE.search,
                                                                          executable.as_text().splitlines()) if m)
         steps[str(shape)] = {"collectives": dict(collectives),
                              "alias_bytes": executable.memory_analysis().alias_size_in_bytes}
-    return {"weights": weights, "kv": describe(engine.runner.kv.k), "steps": steps,
-            "kv_cache_bytes": engine.kv_plan.cache_bytes, "rules": dict(engine.sharder.rules),
-            "slots": describe(engine.runner.slots.tokens)}
+    return {"weights": weights, "kv": describe(engine.core.runner.kv.k), "steps": steps,
+            "kv_cache_bytes": engine.core.kv_plan.cache_bytes, "rules": dict(engine.core.sharder.rules),
+            "slots": describe(engine.core.runner.slots.tokens)}
 
 
 def tensor_parallel(tp: int, cfg: ModelConfig = MODEL, **engine_options) -> dict:
@@ -99,10 +99,11 @@ def tensor_parallel(tp: int, cfg: ModelConfig = MODEL, **engine_options) -> dict
 def data_parallel(dp: int, tp: int) -> dict:
     config = ENGINE.replace(tensor_parallel_size=tp, data_parallel_size=dp)
     m = model()
-    replicas = [LLMEngine(m, config, show_progress=False, mesh=mesh) for mesh in data_parallel_meshes(config)]
-    front = DataParallelEngine(replicas)
+    replicas = [EngineCore(m, config, show_progress=False, mesh=mesh) for mesh in data_parallel_meshes(config)]
+    core = DataParallelCore(replicas)
     routed = []
-    tokens = greedy(front, lambda: routed.extend(front.replica_index(str(i)) for i in range(len(PROMPTS))))
+    tokens = greedy(LLMEngine.from_core(core),
+                    lambda: routed.extend(core.replica_index(str(i)) for i in range(len(PROMPTS))))
     return {"tokens": tokens, "routed_to": routed,
             "replica_devices": [sorted(d.id for d in r.sharder.devices) for r in replicas],
             "weights_on": [sorted(d.id for d in r.runner.params["embed"][...].sharding.device_set)

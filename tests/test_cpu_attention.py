@@ -103,7 +103,7 @@ def test_engine_greedy_matches_xla_and_transformers(converted, family):
     tokens = {}
     for impl in ("xla", "cpu"):
         engine = LLMEngine.from_model_dir(converted(family), SMALL.replace(attention=impl), show_progress=False)
-        assert engine.attention_impl == impl
+        assert engine.core.attention_impl == impl
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         finals = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()}

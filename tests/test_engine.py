@@ -87,12 +87,12 @@ def mixed_prompts(seed, count, max_len=300):
 def test_batched_paged_greedy_equals_unbatched_reference(engine, reference):
     prompts = mixed_prompts(0, 32)
     requests = [(f"r{i}", p, greedy(1 + i % 12)) for i, p in enumerate(prompts)]
-    finals = run_staggered(engine, requests, on_step=engine.scheduler.check_invariants)
+    finals = run_staggered(engine, requests, on_step=engine.core.scheduler.check_invariants)
     for request_id, prompt, params in requests:
         got = finals[request_id].outputs[0]
         assert got.token_ids == reference(prompt, params.max_tokens), request_id
         assert got.finish_reason == "length"
-    assert engine.scheduler.allocator.num_used_pages == 0
+    assert engine.core.scheduler.allocator.num_used_pages == 0
 
 
 def test_seeded_sampling_ignores_batch_composition(engine):
@@ -117,11 +117,11 @@ def test_preemption_gives_the_same_outputs(model, reference):
     engine = LLMEngine(model, small, show_progress=False)
     prompts = mixed_prompts(2, 10, 120)
     requests = [(f"p{i}", p, greedy(24)) for i, p in enumerate(prompts)]
-    finals = run_staggered(engine, requests, per_step=10, on_step=engine.scheduler.check_invariants)
-    assert engine.scheduler.num_preemptions > 0
+    finals = run_staggered(engine, requests, per_step=10, on_step=engine.core.scheduler.check_invariants)
+    assert engine.core.scheduler.num_preemptions > 0
     for request_id, prompt, params in requests:
         assert finals[request_id].outputs[0].token_ids == reference(prompt, 24), request_id
-    assert engine.scheduler.allocator.num_used_pages == 0
+    assert engine.core.scheduler.allocator.num_used_pages == 0
 
 
 def test_random_aborts_keep_invariants_and_free_every_page(engine):
@@ -139,13 +139,13 @@ def test_random_aborts_keep_invariants_and_free_every_page(engine):
             output = engine.abort_request(live.pop(rng.randrange(len(live))))
             assert output is None or all(o.finish_reason is not None for o in output.outputs)
         engine.step()
-        engine.scheduler.check_invariants()
+        engine.core.scheduler.check_invariants()
         if not prompts and not engine.has_unfinished_requests():
             break
     engine.run_until_done()
-    engine.scheduler.check_invariants()
-    assert engine.scheduler.allocator.num_used_pages == 0
-    assert not engine.requests
+    engine.core.scheduler.check_invariants()
+    assert engine.core.scheduler.allocator.num_used_pages == 0
+    assert not engine.processor.states and not engine.core.scheduler.has_requests
 
 
 def test_mixed_traffic_never_compiles(engine):
@@ -164,11 +164,11 @@ def test_mixed_traffic_never_compiles(engine):
 
 
 def test_steps_update_the_cache_in_place(engine):
-    kv = engine.runner.kv
+    kv = engine.core.runner.kv
     cache_type = f"f32[{','.join(map(str, kv.k.shape))}]"
-    for shape, executable in engine.runner.model_executables.items():
+    for shape, executable in engine.core.runner.model_executables.items():
         analysis = executable.memory_analysis()
-        assert analysis.alias_size_in_bytes >= engine.kv_plan.cache_bytes, shape  # donated cache = output cache
+        assert analysis.alias_size_in_bytes >= engine.core.kv_plan.cache_bytes, shape  # donated cache = output cache
         copies = [line for line in executable.as_text().splitlines()
                   if re.search(rf"= {re.escape(cache_type)}\S* copy(-start)?\(", line)]
         assert not copies, (shape, copies)  # the scatter into the scanned cache happens in place
@@ -215,11 +215,11 @@ def test_penalties_bias_and_min_tokens(engine, reference):
                                                               frequency_penalty=2.0, presence_penalty=2.0))])
     tokens = rep["r"].outputs[0].token_ids
     assert max(tokens.count(t) for t in set(tokens)) <= 3  # heavy penalties spread the choices
-    engine.scheduler.eos_token_ids, engine.eos_token_ids = frozenset({plain[0]}), (plain[0],)
+    engine.core.scheduler.eos_token_ids = frozenset({plain[0]})
     try:
         stopped = run_staggered(engine, [("e", prompt, SamplingParams(temperature=0.0, max_tokens=6))])
         held = run_staggered(engine, [("m", prompt, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3))])
     finally:
-        engine.scheduler.eos_token_ids, engine.eos_token_ids = frozenset(), ()
+        engine.core.scheduler.eos_token_ids = frozenset()
     assert stopped["e"].outputs[0].token_ids == [plain[0]] and stopped["e"].outputs[0].finish_reason == "stop"
     assert len(held["m"].outputs[0].token_ids) >= 3

@@ -26,7 +26,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import placement
 from jaxserve.engine.placement import engine_mesh, model_sharder
 from jaxserve.engine.engine import LLMEngine, resolve_dtype
-from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.core.runner import ModelRunner
 from jaxserve.estimate import estimate, load_model_config
 from jaxserve.models.llama import Llama, abstract_model
 from jaxserve.observability.gpus import GPUS, GiB, gpu_for_device_kind
@@ -71,14 +71,14 @@ def pool_for(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> int:
 
 
 def check_agreement(engine: LLMEngine, cfg: ModelConfig, config: EngineConfig, pool: int) -> None:
-    dtype = jnp.dtype(engine.runner.params["embed"][...].dtype).name
+    dtype = jnp.dtype(engine.core.runner.params["embed"][...].dtype).name
     predicted = estimate(cfg, config, memory_bytes=pool, weight_dtype=dtype, pool_fraction=1.0).memory
-    allocated_kv = sum(x.nbytes for x in jax.tree.leaves(engine.runner.kv))
-    print(f"{cfg.architecture} {cfg.quantization or dtype}, KV {engine.kv_dtype.name}: estimate "
-          f"{predicted.kv_tokens} tokens / {predicted.kv_cache} B, engine {engine.kv_plan.max_tokens} tokens / "
+    allocated_kv = sum(x.nbytes for x in jax.tree.leaves(engine.core.runner.kv))
+    print(f"{cfg.architecture} {cfg.quantization or dtype}, KV {engine.core.kv_dtype.name}: estimate "
+          f"{predicted.kv_tokens} tokens / {predicted.kv_cache} B, engine {engine.core.kv_plan.max_tokens} tokens / "
           f"{allocated_kv} B (weights: estimate {predicted.weights} B)")
-    assert engine.kv_plan.num_pages < engine.kv_plan.wanted_pages  # the budget decided, not the cap
-    assert abs(predicted.kv_tokens - engine.kv_plan.max_tokens) <= 0.1 * engine.kv_plan.max_tokens
+    assert engine.core.kv_plan.num_pages < engine.core.kv_plan.wanted_pages  # the budget decided, not the cap
+    assert abs(predicted.kv_tokens - engine.core.kv_plan.max_tokens) <= 0.1 * engine.core.kv_plan.max_tokens
     assert abs(predicted.kv_cache - allocated_kv) <= 0.1 * allocated_kv
 
 

@@ -61,11 +61,11 @@ def medium_engine():
 
 def run(engine: LLMEngine, prompts, params: SamplingParams, tag: str) -> list:
     """Runs the requests to completion; returns the step records of the run."""
-    first = engine.stats.num_steps
+    first = engine.core.stats.num_steps
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     engine.run_until_done()
-    return list(engine.stats.steps)[len(engine.stats.steps) - (engine.stats.num_steps - first):]
+    return list(engine.core.stats.steps)[len(engine.core.stats.steps) - (engine.core.stats.num_steps - first):]
 
 
 def describe(name: str, report, ceilings) -> str:

@@ -56,7 +56,7 @@ def engine_greedy(model, config: EngineConfig, prompt_set) -> list[list[int]]:
     for i, p in enumerate(prompt_set):
         engine.add_request(str(i), p, params)
     finals = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()}
-    assert engine.scheduler.allocator.num_used_pages == 0
+    assert engine.core.scheduler.allocator.num_used_pages == 0
     return [finals[str(i)] for i in range(len(prompt_set))]
 
 
@@ -106,8 +106,8 @@ def test_kv_cache_budget_holds_more_tokens_in_smaller_dtypes(model):
     pages = {}
     for name in ("auto", "int8", "fp8"):  # 8 sequences x 16 pages would take 129 pages; the budget is smaller
         engine = LLMEngine(model, budget.replace(kv_cache_dtype=name), show_progress=False)
-        pages[name] = engine.kv_plan.num_pages
-        assert engine.kv_plan.cache_bytes == sum(a.nbytes for a in jax.tree.leaves(engine.runner.kv))
+        pages[name] = engine.core.kv_plan.num_pages
+        assert engine.core.kv_plan.cache_bytes == sum(a.nbytes for a in jax.tree.leaves(engine.core.runner.kv))
     # float32: 64 bytes per head and token; int8: 16 + a 4-byte scale; fp8: 16
     assert pages["int8"] == pytest.approx(pages["auto"] * 64 / 20, abs=1)
     assert pages["fp8"] == pytest.approx(pages["auto"] * 4, abs=1)

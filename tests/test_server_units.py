@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import dataclasses
 import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from jaxserve.cli_args import ENGINE_FLAG_HELP, add_config_flags, add_engine_fla
     engine_config_from_args, field_comments
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats, StepOutputs
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
@@ -116,29 +119,35 @@ def test_token_bytes_concatenate_to_the_decoded_text(directory):
 
 # ---- AsyncEngine admission (fake engine) --------------------------------------------------------------------
 class FakeEngine:
-    """Each step gives every request one token (its id counts up); a request ends after max_tokens."""
+    """An engine core whose steps give every request one token (its id counts up); a request ends after
+    max_tokens."""
 
     def __init__(self, fail_on_step: int | None = None):
-        self.requests: dict = {}  # AsyncEngine reads the real engine's RequestStates here; the fake keeps none
+        self.tokenizer = None
+        self.model_config = types.SimpleNamespace(vocab_size=100)
+        self.max_model_len = 64
+        self.config = EngineConfig()
         self.progress: dict[str, tuple[int, int]] = {}
         self.aborted: list[str] = []
         self.fail_on_step = fail_on_step
         self.steps = 0
-        self.scheduler = type("Scheduler", (), {"num_waiting": 0, "running": []})()
         self.release = threading.Event()  # clear it to hold the engine thread at the start of its next step
         self.release.set()
         self.in_step = threading.Event()
 
-    def add_request(self, request_id, prompt, params, priority=0, prompt_text=None):
-        if params.max_tokens > 10:
+    def add_request(self, request: EngineRequest):
+        if request.params.max_tokens > 10:
             raise ValueError("max_tokens too large for the fake")
-        self.progress[request_id] = (0, params.max_tokens)
+        self.progress[request.request_id] = (0, request.params.max_tokens)
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)
         if self.progress.pop(request_id, None) is not None:
-            return RequestOutput(request_id, None, [], [CompletionOutput(0, finish_reason="abort")], finished=True)
-        return None
+            return (SampleDelta(request_id, 0, finish_reason="abort"),)
+        return ()
+
+    def finish_sample(self, request_id, index, stop):
+        return self.progress.pop(request_id, None) is not None
 
     def has_unfinished_requests(self):
         return bool(self.progress)
@@ -149,16 +158,14 @@ class FakeEngine:
         self.steps += 1
         if self.fail_on_step == self.steps:
             raise RuntimeError("fake failure")
-        outputs = []
+        deltas, finished = [], []
         for request_id, (done, limit) in list(self.progress.items()):
-            done += 1
-            finished = done == limit
-            sample = CompletionOutput(0, token_ids=list(range(done)), finish_reason="length" if finished else None)
-            outputs.append(RequestOutput(request_id, None, [], [sample], finished=finished))
-            self.progress[request_id] = (done, limit)
-            if finished:
+            deltas.append(SampleDelta(request_id, 0, (done,), finish_reason="length" if done + 1 == limit else None))
+            self.progress[request_id] = (done + 1, limit)
+            if done + 1 == limit:
                 del self.progress[request_id]
-        return outputs
+                finished.append(request_id)
+        return StepOutputs(tuple(deltas), SchedulerStats(), tuple(finished), time.monotonic())
 
 
 def run(coroutine):
@@ -176,7 +183,8 @@ def test_add_request_returns_a_stream_after_acceptance():
             return outputs
 
         outputs = run(scenario())
-        assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3] and outputs[-1].finished
+        assert [o.outputs[0].token_ids for o in outputs] == [[0], [1], [2]] and outputs[-1].finished
+        assert [o.outputs[0].num_tokens for o in outputs] == [1, 2, 3]
     finally:
         engine.stop()
 

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     llm = LLM(args.model, **_engine_options(args))
-    steps = follow_if_follower(llm.engine)
+    steps = follow_if_follower(llm.engine.core)
     if steps is not None:  # a multi-host follower: it ran the leader's steps until the leader finished
         print(f"multi-host follower: ran the leader's {steps} steps", file=sys.stderr)
         return 0
@@ -60,10 +60,11 @@ def _generate(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     if args.json or len(prompts) > 1 or params.n > 1:
         for output in llm.generate(prompts, params):
             print(json.dumps({"prompt": output.prompt, "outputs": [
-                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in output.outputs]}))
+                {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
+                for o in output.outputs]}))
         return 0
     for output in llm.generate_stream(prompts, params):
-        sys.stdout.write(output.outputs[0].new_text)
+        sys.stdout.write("".join(o.text for o in output.outputs))  # deltas; one sample here
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0

@@ -1,11 +1,14 @@
-"""The engine: scheduler + model runner + output processing. One `step()` is schedule, run, post-process.
+"""The engine core (scheduler + model runner, the only owner of device state) and LLMEngine, the offline front
+end that pairs a core with an output processor.
 
-    step():  plan N+1 = schedule()            (host, while the device still runs step N)
-             dispatch(plan N+1)               (asynchronous)
-             result N = fetch(step N)         (the only wait)
-             update scheduler, detokenize, stop strings -> RequestOutputs
+    EngineCore.step():  plan N+1 = schedule()         (host, while the device still runs step N)
+                        dispatch(plan N+1)            (asynchronous)
+                        result N = fetch(step N)      (the only wait)
+                        update the scheduler -> StepOutputs: frozen per-sample deltas + stats
+    LLMEngine.step():   core.step() -> OutputProcessor (detokenize, stop strings) -> RequestOutputs
 
-Single-threaded and synchronous from the caller's point of view; `AsyncEngine` runs it on its own thread.
+The core is single-threaded; `AsyncEngine` runs it on its own thread with the output processor on the event loop.
+Timing and cost accounting sit behind `self.meter` (jaxserve.engine.stats.StepMeter, or NullMeter when off).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterable, Sequence as Seq
+from typing import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -23,21 +26,24 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.buckets import BucketTable
 from jaxserve.engine.memory import KVPlan, plan_kv_cache
 from jaxserve.engine.multihost import leader_mirror
-from jaxserve.engine.output import RequestState
+from jaxserve.engine.messages import EngineRequest, PromptLogprobsChunk, SampleDelta, SchedulerStats, StepOutputs
+from jaxserve.engine.output import OutputProcessor
 from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory, kv_cache_shardings, model_sharder,
                                        place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
-from jaxserve.engine.stats import EngineStats, StepClock, StepRecord, attention_work
+from jaxserve.engine.stats import NullMeter, StepMeter
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
 from jaxserve.models.llama import Llama, numpy_dtype
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import OutputKind, RequestOutput, TokenLogprob
 from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
 from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfig, StepPlan
+from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Scheduler, SchedulerConfig,
+                                          SequenceUpdate, StepPlan)
+from jaxserve.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +77,14 @@ def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
     return "float32" if jax.default_backend() == "cpu" else checkpoint_dtype
 
 
-class LLMEngine:
+class EngineCore:
     """`mesh`: the devices this engine runs on (default: the first tensor_parallel_size devices, see
-    jaxserve.engine.placement); a data-parallel replica gets its row of the global mesh."""
+    jaxserve.engine.placement); a data-parallel replica gets its row of the global mesh. `tokenizer` is kept for
+    the front ends (and gives the EOS ids when the model config has none). `metered=False` switches the step
+    accounting off (no metrics, no bottleneck verdict)."""
 
     def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None):
+                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, metered: bool = True):
         self.config = config
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -101,19 +109,25 @@ class LLMEngine:
         self.compile_seconds = self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
-        self.eos_token_ids = tuple(eos)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.page_size), allocator, self.eos_token_ids,
+                                                   self.max_model_len, config.page_size), allocator, eos,
                                    seed=config.seed)
-        self.requests: dict[str, RequestState] = {}
-        self.stats = EngineStats()
+        self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
         self._in_flight: PendingStep | None = None
-        self._clocks: dict[int, StepClock] = {}  # step id -> what the host saw of it, while it is in flight
         log.info("engine ready: %s attention, weights %s (%.1f MiB), KV cache %s: %d pages of %d tokens (%.1f MiB), "
                  "%d step shapes compiled in %.1fs, %s", self.attention_impl, self.weights_description,
                  self.weight_bytes / 2**20, self.kv_dtype.name, self.kv_plan.num_pages, config.page_size,
                  self.kv_plan.cache_bytes / 2**20, self.runner.num_executables, self.compile_seconds,
                  self.sharder.describe())
+
+    @property
+    def stats(self):
+        """The step records and totals (jaxserve.engine.stats.EngineStats) the metrics and benchmarks read."""
+        return self.meter.stats
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len)
 
     @property
     def weight_bytes(self) -> int:
@@ -129,7 +143,7 @@ class LLMEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
-                       show_progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> "LLMEngine":
+                       show_progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> "EngineCore":
         """Loads a checkpoint straight into this engine's shardings. Joins a multi-host run first when
         config.coordinator_address is set."""
         from jaxserve.checkpoint import load_model
@@ -168,171 +182,212 @@ class LLMEngine:
                                  seq_sizes=c.prefill_seq_buckets, context_pages=context)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0,
-                    prompt_text: str | None = None, stream: bool = True) -> RequestState:
-        """Validates and queues a request. Raises ValueError with a message fit for a 400 response.
-        `prompt` is text or token ids; with ids, `prompt_text` is the text they came from (for outputs)."""
-        params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
-        text, prompt_ids = self._tokenize(prompt)
-        prompt_text = text if prompt_text is None else prompt_text
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a validated request (jaxserve.validation). Raises ValueError for an id already in use."""
         if not self.has_unfinished_requests():
-            self.stats.work_arrived(time.perf_counter())  # the device's idle time until now was not the host's doing
-        seqs = self.scheduler.add_request(request_id, prompt_ids, params, arrival, priority)
-        state = RequestState(request_id, prompt_text, prompt_ids, params, seqs, self.tokenizer, arrival, stream)
-        self.requests[request_id] = state
-        return state
+            self.meter.work_arrived()  # the device's idle time until now was not the host's doing
+        self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                   request.arrival_time, request.priority)
 
-    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompts as token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        state = self.requests.pop(request_id, None)
+    def abort_request(self, request_id: str) -> tuple[SampleDelta, ...]:
+        """Ends every unfinished sample of the request with "abort"; their final deltas (none if unknown)."""
+        unfinished = [seq.index for seq in self.scheduler.requests.get(request_id, ()) if not seq.is_finished]
         self.scheduler.abort_request(request_id)
-        if state is None:
-            return None
-        return state.finish_all("abort")
+        return tuple(SampleDelta(request_id, index, finish_reason="abort") for index in unfinished)
+
+    def finish_sample(self, request_id: str, index: int, stop: str) -> bool:
+        """A stop string ended this sample (the output processor saw it): frees its sequence. True if that was
+        the request's last unfinished sample. A token already computed for it is dropped when it comes back."""
+        return self.scheduler.finish_sample(request_id, index, "stop", stop)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self._in_flight is not None
+        return self.scheduler.has_requests or self._in_flight is not None
+
+    def stats_snapshot(self) -> SchedulerStats:
+        scheduler, totals = self.scheduler, self.meter.stats.totals
+        prefix = scheduler.allocator.stats
+        return SchedulerStats(len(scheduler.running), scheduler.num_waiting, scheduler.allocator.usage,
+                              scheduler.num_preemptions, prefix.queries, prefix.hits, totals.steps, totals.tokens,
+                              totals.sampled_tokens, totals.device_seconds, totals.host_gap_seconds)
 
     # ---- the step -------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedules and dispatches the next step, then processes the previous one's results (or, without
-        async_scheduling, this step's own)."""
-        started = time.perf_counter()
-        device_idle = self._in_flight is None or self._look_at(self._in_flight, started)
+    def step(self) -> StepOutputs:
+        """Schedules and dispatches the next step, then reads back the previous one's results (or, without
+        async_scheduling, this step's own) and turns them into deltas."""
+        self.meter.step_started(self._in_flight)
         plan = self.scheduler.schedule()
         pending = self._dispatch(plan) if not plan.is_empty else None
-        scheduled_at = time.perf_counter()
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, pending
-            if pending is not None and device_idle and self.stats.sample_due(pending.shape):
-                pending.sampled.tokens.block_until_ready()  # an exact sample of its device time (engine/stats.py)
-                self._clocks[pending.plan.step_id].end = time.perf_counter()
         else:
             previous = pending
-        outputs = self._finish_step(previous) if previous is not None else []
-        self.stats.host_seconds += scheduled_at - started
-        return outputs
+        deltas, finished = self._finish_step(previous) if previous is not None else ((), ())
+        return StepOutputs(self._scheduling_deltas(plan) + deltas, self.stats_snapshot(), finished,
+                           time.monotonic())
 
     def _dispatch(self, plan: StepPlan) -> PendingStep:
-        now = time.monotonic()
         for assignment in plan.new_slots:
-            self._note_first_scheduled(assignment.seq_id, now)
             self.runner.assign_slot(assignment.slot, slot_row(
                 assignment.token_ids, assignment.num_prompt_tokens, assignment.params, assignment.seed,
-                self.eos_token_ids, self.max_model_len))
+                self.scheduler.eos_token_ids, self.max_model_len))
         flags = SamplingFlags.NONE
         for row in plan.seqs:
-            flags |= SamplingFlags.of(self.scheduler.sequences[row.seq_id].params)
+            flags |= SamplingFlags.of(row.params)
         if not any(row.prompt_logprobs for row in plan.seqs):
             flags &= ~SamplingFlags.PROMPT_LOGPROBS
-        self._clocks[plan.step_id] = StepClock(time.perf_counter())
-        return self.runner.dispatch(plan, flags)
+        self.meter.dispatching(plan)
+        pending = self.runner.dispatch(plan, flags)
+        self.meter.dispatched(pending, self.config.async_scheduling)
+        return pending
 
-    def _look_at(self, pending: PendingStep, now: float) -> bool:
-        """A non-blocking check: has the step in flight finished on the device?"""
-        ready = pending.sampled.tokens.is_ready()
-        if ready:
-            self._clocks[pending.plan.step_id].saw_ready(now)
-        return ready
-
-    def _note_first_scheduled(self, seq_id: int, now: float) -> None:
-        state = self.requests.get(self.scheduler.sequences[seq_id].request_id)
-        if state is not None and state.metrics.first_scheduled_time is None:
-            state.metrics.first_scheduled_time = now
-
-    def _finish_step(self, pending: PendingStep) -> list[RequestOutput]:
-        clock = self._clocks.pop(pending.plan.step_id)
-        wait_start = time.perf_counter()
-        blocked = not pending.sampled.tokens.is_ready()
-        sampled = np.asarray(pending.sampled.tokens)
-        waited = clock.fetched(wait_start, time.perf_counter(), blocked)
-        logprobs = self._fetch_logprobs(pending)
-        tokens = [SampledToken(int(sampled[i]), *logprobs[i]) if logprobs else SampledToken(int(sampled[i]))
-                  for i in range(len(pending.plan.seqs))]
-        touched = self._record_prompt_logprobs(pending)  # before update(), which forgets finished sequences
-        updates = self.scheduler.update(pending.plan, tokens)
+    def _scheduling_deltas(self, plan: StepPlan) -> tuple[SampleDelta, ...]:
+        if not plan.new_slots:
+            return ()
         now = time.monotonic()
-        for update in updates:
-            state = self.requests.get(update.seq.request_id)
-            if state is None:
-                continue
-            stop = state.append_token(update.seq, update.token, now)
-            if stop is not None:
-                self.scheduler.finish(update.seq, "stop", stop)
-            touched.add(state.request_id)
-        self.stats.record(self._step_record(pending, waited, clock))
-        return self._collect(touched, now)
+        return tuple(SampleDelta(a.request_id, a.index, scheduled_time=now) for a in plan.new_slots)
 
-    def _step_record(self, pending: PendingStep, waited: float, clock: StepClock) -> StepRecord:
-        rows, window = pending.plan.seqs, self.model_config.sliding_window
-        return StepRecord(pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at,
-                          time.perf_counter(), waited, sampled_tokens=sum(row.sample for row in rows),
-                          context_tokens=sum(row.context_len for row in rows),
-                          attended_pairs=sum(attention_work(row.context_len, row.num_new_tokens, window)
-                                             for row in rows),
-                          dispatch_started=clock.dispatch_started, ready_at=clock.ready_at,
-                          end_exact=clock.end is not None, page_stall=pending.plan.waiting_for_pages)
+    def _finish_step(self, pending: PendingStep) -> tuple[tuple[SampleDelta, ...], tuple[str, ...]]:
+        fetch = self.meter.fetch_started(pending)
+        sampled = np.asarray(pending.sampled.tokens)
+        self.meter.fetch_done(pending, fetch)
+        rows = pending.plan.seqs
+        logprobs = sampled_logprobs(pending)
+        tokens = [SampledToken(int(sampled[i]), *logprobs[i]) if logprobs else SampledToken(int(sampled[i]))
+                  for i in range(len(rows))]
+        prompt_chunks = prompt_logprobs_chunks(pending)
+        updates = {(u.request_id, u.index): u for u in self.scheduler.update(pending.plan, tokens)}
+        deltas = tuple(_delta(row, updates.get((row.request_id, row.index)), prompt_chunks.get(i))
+                       for i, row in enumerate(rows)
+                       if (row.request_id, row.index) in updates or i in prompt_chunks)
+        self.meter.step_finished(pending)
+        finished = {u.request_id for u in updates.values() if u.finished}
+        return deltas, tuple(rid for rid in finished if rid not in self.scheduler.requests)
 
-    def _fetch_logprobs(self, pending: PendingStep):
-        if not pending.flags.logprobs:
-            return None
-        out = pending.sampled
-        chosen, top_ids, top_lp = np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
-        rows = []
-        for i, row in enumerate(pending.plan.seqs):
-            seq = self.scheduler.sequences.get(row.seq_id)
-            k = seq.params.logprobs if seq is not None and seq.params.logprobs else 0
-            rows.append((float(chosen[i]), tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))))
-        return rows
 
-    def _record_prompt_logprobs(self, pending: PendingStep) -> set[str]:
-        touched: set[str] = set()
-        if pending.prompt_logprobs is None:
-            return touched
-        lp = pending.prompt_logprobs
-        chosen, top_ids, top_lp = np.asarray(lp.chosen), np.asarray(lp.top_ids), np.asarray(lp.top_logprobs)
-        start = 0
-        for row in pending.plan.seqs:
-            seq = self.scheduler.sequences.get(row.seq_id)
-            state = self.requests.get(seq.request_id) if seq is not None else None
-            if row.prompt_logprobs and state is not None:
-                first_pos = row.context_len - row.num_new_tokens
-                state.add_prompt_logprobs(first_pos, chosen[start:start + row.num_new_tokens],
-                                          top_ids[start:start + row.num_new_tokens],
-                                          top_lp[start:start + row.num_new_tokens])
-                touched.add(state.request_id)
-            start += row.num_new_tokens
-        return touched
+class LLMEngine:
+    """The offline front end: an engine core (one, or data-parallel replicas) plus an output processor, driven
+    synchronously by its caller. Requests are validated here, once (jaxserve.validation)."""
 
-    def _collect(self, touched: Iterable[str], now: float) -> list[RequestOutput]:
-        outputs = []
-        for request_id in touched:
-            state = self.requests.get(request_id)
-            if state is None or not (state.stream or state.finished):
-                continue
-            outputs.append(state.output(now))
-            if state.finished:
-                del self.requests[request_id]
+    def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
+                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None):
+        self._attach(EngineCore(model, config, tokenizer, show_progress=show_progress, mesh=mesh))
+
+    @classmethod
+    def from_core(cls, core) -> "LLMEngine":
+        """Over an EngineCore, or a DataParallelCore (jaxserve.engine.replicas)."""
+        engine = cls.__new__(cls)
+        engine._attach(core)
+        return engine
+
+    def _attach(self, core) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.processor = OutputProcessor(core.tokenizer)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
+                       show_progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> "LLMEngine":
+        return cls.from_core(EngineCore.from_model_dir(model_dir, config, show_progress, mesh))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None,
+                    kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Validates and queues a request; raises jaxserve.validation.InvalidRequestError (a ValueError) naming
+        the parameter. `prompt` is text or token ids; with ids, `prompt_text` is the text they came from."""
+        params = params or SamplingParams()
+        text, prompt_ids = tokenize(self.tokenizer, prompt)
+        validate_request(prompt_ids, params, self.core.limits)
+        if request_id in self.processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.core.add_request(EngineRequest(request_id, prompt_ids, params, arrival, priority))
+        self.processor.add(request_id, text if prompt_text is None else prompt_text, prompt_ids, params, arrival,
+                           kind)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """The request's final output (finish_reason "abort"), or None for an unknown or finished one."""
+        deltas = self.core.abort_request(request_id)
+        outputs, _ = self.processor.process(StepOutputs(deltas, SchedulerStats(), (), time.monotonic()))
+        self.processor.drop(request_id)
+        return next((o for o in outputs if o.finished), None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        step = self.core.step()
+        outputs, stops = self.processor.process(step)
+        for stop in stops:
+            self.core.finish_sample(stop.request_id, stop.index)
         return outputs
 
-    # ---- conveniences ---------------------------------------------------------------------------------------
     def run_until_done(self) -> list[RequestOutput]:
         """Steps until every request has finished; returns the final output of each."""
         finals = []
         while self.has_unfinished_requests():
             finals.extend(o for o in self.step() if o.finished)
         return finals
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def tokenize(tokenizer, prompt: str | Seq[int]) -> tuple[str | None, tuple[int, ...]]:
+    """Text -> (text, ids); ids -> (None, ids)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompts as token ids")
+        return prompt, tuple(tokenizer.encode(prompt))
+    return None, tuple(int(t) for t in prompt)
+
+
+def _delta(row: ScheduledSequence, update: SequenceUpdate | None, chunk: PromptLogprobsChunk | None) -> SampleDelta:
+    if update is None:
+        return SampleDelta(row.request_id, row.index, prompt_logprobs=chunk)
+    token = update.token
+    logprobs = (TokenLogprob(token.token_id, token.logprob, token.top),) if row.params.logprobs is not None else None
+    return SampleDelta(row.request_id, row.index, (token.token_id,), logprobs, update.finish_reason,
+                       update.stop_reason, chunk)
+
+
+def sampled_logprobs(pending: PendingStep) -> list[tuple[float, tuple]] | None:
+    """(logprob, top alternatives) per plan row, each row with as many alternatives as its request asked for."""
+    if not pending.flags.logprobs:
+        return None
+    out = pending.sampled
+    chosen, top_ids, top_lp = np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    rows = []
+    for i, row in enumerate(pending.plan.seqs):
+        k = row.params.logprobs or 0
+        rows.append((float(chosen[i]), tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))))
+    return rows
+
+
+def prompt_logprobs_chunks(pending: PendingStep) -> dict[int, PromptLogprobsChunk]:
+    """Plan row -> the scores of its chunk's tokens: the score at position p is for the prompt token at p + 1."""
+    if pending.prompt_logprobs is None:
+        return {}
+    lp = pending.prompt_logprobs
+    chosen, top_ids, top_lp = np.asarray(lp.chosen), np.asarray(lp.top_ids), np.asarray(lp.top_logprobs)
+    chunks, start = {}, 0
+    for i, row in enumerate(pending.plan.seqs):
+        end = start + row.num_new_tokens
+        if row.prompt_logprobs:
+            k = row.params.prompt_logprobs or 0
+            tops = tuple(tuple(zip(ids, lps)) for ids, lps in zip(top_ids[start:end, :k].tolist(),
+                                                                   top_lp[start:end, :k].tolist()))
+            chunks[i] = PromptLogprobsChunk(row.context_len - row.num_new_tokens + 1,
+                                            tuple(chosen[start:end].tolist()), tops)
+        start = end
+    return chunks
 
 
 def enable_compilation_cache(directory: str | None) -> None:

@@ -8,8 +8,8 @@ from typing import Iterator, Sequence as Seq
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.engine.replicas import DataParallelEngine, build_engine
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.replicas import build_engine
+from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | Seq[int]
@@ -17,10 +17,10 @@ Prompt = str | Seq[int]
 
 class LLM:
     """A model loaded for offline generation. Engine options are EngineConfig fields (max_num_seqs=...,
-    tensor_parallel_size=..., data_parallel_size=...: replicas behind one DataParallelEngine)."""
+    tensor_parallel_size=..., data_parallel_size=...: replicas behind one DataParallelCore)."""
 
     def __init__(self, model: str | os.PathLike | None = None, *,
-                 engine: LLMEngine | DataParallelEngine | None = None, show_progress: bool = True, **engine_options):
+                 engine: LLMEngine | None = None, show_progress: bool = True, **engine_options):
         if engine is None:
             if model is None:
                 raise ValueError("LLM needs a model directory")
@@ -36,7 +36,7 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""
         finals: dict[str, RequestOutput] = {}
-        request_ids = self._submit(prompts, sampling_params, stream=False)  # no per-step outputs to build
+        request_ids = self._submit(prompts, sampling_params, OutputKind.FINAL_ONLY)  # no per-step outputs
         for output in self._drive():
             if output.finished:
                 finals[output.request_id] = output
@@ -45,11 +45,12 @@ class LLM:
     def generate_stream(self, prompts: Prompt | Seq[Prompt],
                         sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                         ) -> Iterator[RequestOutput]:
-        """Yields each request's output every time it gains tokens (`new_text`/`new_token_ids` hold the delta)."""
-        self._submit(prompts, sampling_params, stream=True)
+        """Yields each request's output every time it gains tokens; each output holds only what is new (its
+        `text`, `token_ids` and `logprobs` are deltas: OutputKind.DELTA)."""
+        self._submit(prompts, sampling_params, OutputKind.DELTA)
         yield from self._drive()
 
-    def _submit(self, prompts, sampling_params, stream: bool) -> list[str]:
+    def _submit(self, prompts, sampling_params, kind: OutputKind) -> list[str]:
         prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -57,7 +58,7 @@ class LLM:
         request_ids = []
         for prompt, p in zip(prompts, params):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p or SamplingParams(), stream=stream)
+            self.engine.add_request(request_id, prompt, p or SamplingParams(), kind=kind)
             request_ids.append(request_id)
         return request_ids
 

@@ -1,16 +1,17 @@
 """Data parallelism: M engine replicas, each on its own row of the [data, model] mesh, behind one front.
 
-    front (one admission limit)  --least loaded-->  replica 0: LLMEngine on devices 0..tp-1
-                                                    replica 1: LLMEngine on devices tp..2tp-1   ...
+    front (one admission limit)  --least loaded-->  replica 0: EngineCore on devices 0..tp-1
+                                                    replica 1: EngineCore on devices tp..2tp-1   ...
 
 Least loaded = fewest requests routed to it and not finished yet (running + waiting + still in its queue),
 counted by the front itself, so a burst of arrivals spreads out before any replica has stepped; ties go to the
 lowest index. A request stays on its replica for its whole life.
 
-Two fronts with the interfaces their callers already use:
-    DataParallelEngine   LLMEngine's (add_request / abort_request / step / has_unfinished_requests): offline LLM
-    ReplicaRouter        AsyncEngine's (start / add_request / generate / abort / is_alive / num_waiting /
-                         num_running / stop): the HTTP server; each replica runs on its own AsyncEngine thread
+Two fronts:
+    DataParallelCore   the EngineCore interface (add_request / abort_request / finish_sample / step /
+                       has_unfinished_requests) over the replicas' cores: LLMEngine drives it for offline use
+    ReplicaRouter      the EngineClient interface over one AsyncEngine per replica (each on its own thread):
+                       the HTTP server
 
 `build_engine` and `start_async_engine` pick a plain engine when data_parallel_size is 1.
 """
@@ -23,10 +24,12 @@ from typing import AsyncIterator, Sequence as Seq
 import jax
 
 from jaxserve.config import ConfigError, EngineConfig
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineDeadError, QueueFullError
+from jaxserve.engine.engine import EngineCore, LLMEngine
+from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats, StepOutputs
 from jaxserve.engine.multihost import follow_if_follower
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import MeshError, make_mesh, replica_meshes
 from jaxserve.parallel.multihost import initialize
 from jaxserve.sampling_params import SamplingParams
@@ -44,9 +47,9 @@ def data_parallel_meshes(config: EngineConfig) -> list[jax.sharding.Mesh]:
 
 
 def build_replicas(model_dir: str | os.PathLike, config: EngineConfig, show_progress: bool = True
-                   ) -> list[LLMEngine]:
+                   ) -> list[EngineCore]:
     """Each replica restores the checkpoint straight into its own devices and compiles its own executables."""
-    return [LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress, mesh=mesh)
+    return [EngineCore.from_model_dir(model_dir, config, show_progress=show_progress, mesh=mesh)
             for mesh in data_parallel_meshes(config)]
 
 
@@ -54,15 +57,15 @@ def least_loaded(loads: Seq[int]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i], i))
 
 
-class DataParallelEngine:
-    """Synchronous replicas for offline generation. step() steps every replica that has work: each dispatches its
-    next step before waiting for its previous one, so the replicas' devices overlap."""
+class DataParallelCore:
+    """EngineCore's interface over replicas, for offline generation. step() steps every replica that has work:
+    each dispatches its next step before waiting for its previous one, so the replicas' devices overlap."""
 
-    def __init__(self, replicas: Seq[LLMEngine]):
+    def __init__(self, replicas: Seq[EngineCore]):
         if not replicas:
-            raise ValueError("DataParallelEngine needs at least one replica")
+            raise ValueError("DataParallelCore needs at least one replica")
         self.replicas = list(replicas)
-        self._replica_of: dict[str, LLMEngine] = {}
+        self._replica_of: dict[str, EngineCore] = {}
 
     @property
     def tokenizer(self):
@@ -76,39 +79,45 @@ class DataParallelEngine:
     def max_model_len(self) -> int:
         return self.replicas[0].max_model_len
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **kwargs):
-        replica = self.replicas[least_loaded([len(r.requests) for r in self.replicas])]
-        state = replica.add_request(request_id, prompt, params, **kwargs)
-        self._replica_of[request_id] = replica
-        return state
+    @property
+    def limits(self):
+        return self.replicas[0].limits
+
+    def add_request(self, request: EngineRequest) -> None:
+        if request.request_id in self._replica_of:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        loads = [sum(core is r for core in self._replica_of.values()) for r in self.replicas]
+        replica = self.replicas[least_loaded(loads)]
+        replica.add_request(request)
+        self._replica_of[request.request_id] = replica
 
     def replica_index(self, request_id: str) -> int | None:
         """Which replica an unfinished request runs on."""
         replica = self._replica_of.get(request_id)
         return self.replicas.index(replica) if replica is not None else None
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> tuple[SampleDelta, ...]:
         replica = self._replica_of.pop(request_id, None)
-        return replica.abort_request(request_id) if replica is not None else None
+        return replica.abort_request(request_id) if replica is not None else ()
+
+    def finish_sample(self, request_id: str, index: int, stop: str) -> bool:
+        replica = self._replica_of.get(request_id)
+        if replica is None or not replica.finish_sample(request_id, index, stop):
+            return False
+        del self._replica_of[request_id]
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
-    def step(self) -> list[RequestOutput]:
-        outputs = []
-        for replica in self.replicas:
-            if replica.has_unfinished_requests():
-                outputs.extend(replica.step())
-        for output in outputs:
-            if output.finished:
-                self._replica_of.pop(output.request_id, None)
-        return outputs
-
-    def run_until_done(self) -> list[RequestOutput]:
-        finals = []
-        while self.has_unfinished_requests():
-            finals.extend(o for o in self.step() if o.finished)
-        return finals
+    def step(self) -> StepOutputs:
+        steps = [replica.step() for replica in self.replicas if replica.has_unfinished_requests()]
+        finished = tuple(rid for step in steps for rid in step.finished_requests)
+        for request_id in finished:
+            self._replica_of.pop(request_id, None)
+        return StepOutputs(tuple(d for step in steps for d in step.deltas),
+                           SchedulerStats.combine([r.stats_snapshot() for r in self.replicas]), finished,
+                           max((step.time for step in steps), default=0.0))
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -116,20 +125,17 @@ class DataParallelEngine:
 
 
 class ReplicaRouter:
-    """AsyncEngine's interface over several AsyncEngines. `engine` is replica 0's LLMEngine (tokenizer, model
-    config, max_model_len are the same on every replica); `replicas` are the AsyncEngines."""
+    """An EngineClient over several AsyncEngines (`replicas`), one per data-parallel replica."""
 
     def __init__(self, replicas: Seq[AsyncEngine], max_queued_requests: int | None = None):
         self.replicas = list(replicas)
+        self.info = self.replicas[0].info  # the same model on every replica
         self.max_queued_requests = max_queued_requests
         self._load = [0] * len(self.replicas)  # routed and not finished, per replica
         self._replica_of: dict[str, int] = {}
+        self._monitor = None
 
-    # ---- AsyncEngine's interface ----------------------------------------------------------------------------
-    @property
-    def engine(self) -> LLMEngine:
-        return self.replicas[0].engine
-
+    # ---- the EngineClient interface -------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
         return all(r.is_alive for r in self.replicas)
@@ -138,13 +144,16 @@ class ReplicaRouter:
     def error(self) -> BaseException | None:
         return next((r.error for r in self.replicas if r.error is not None), None)
 
-    @property
-    def num_waiting(self) -> int:
-        return sum(r.num_waiting for r in self.replicas)
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats.combine([r.stats() for r in self.replicas])
 
     @property
-    def num_running(self) -> int:
-        return sum(r.num_running for r in self.replicas)
+    def monitor(self):
+        """One bottleneck monitor over every replica's step records."""
+        if self._monitor is None:
+            from jaxserve.observability.bottleneck import monitor_for
+            self._monitor = monitor_for([r.core for r in self.replicas], self.info.compilation_cache_dir)
+        return self._monitor
 
     @property
     def loads(self) -> list[int]:
@@ -160,7 +169,8 @@ class ReplicaRouter:
             replica.stop(timeout)
 
     async def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
-                          priority: int = 0, prompt_text: str | None = None) -> "RoutedStream":
+                          priority: int = 0, prompt_text: str | None = None,
+                          kind: OutputKind = OutputKind.DELTA) -> "RoutedStream":
         """Routes to the least-loaded replica; raises as AsyncEngine.add_request does (QueueFullError against the
         shared limit: every replica's waiting requests together)."""
         self._admit()
@@ -169,7 +179,7 @@ class ReplicaRouter:
         self._replica_of[request_id] = index
         try:
             stream = await self.replicas[index].add_request(request_id, prompt, params, priority=priority,
-                                                            prompt_text=prompt_text)
+                                                            prompt_text=prompt_text, kind=kind)
         except BaseException:
             self._release(request_id)
             raise
@@ -195,7 +205,8 @@ class ReplicaRouter:
         routed and no replica runs yet, whichever is more."""
         if not self.is_alive:
             raise EngineDeadError(f"a replica is not running: {self.error!r}")
-        waiting = max(self.num_waiting, sum(self._load) - self.num_running)
+        stats = self.stats()
+        waiting = max(stats.num_waiting, sum(self._load) - stats.num_running)
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise QueueFullError(f"{waiting} requests are already waiting")
 
@@ -240,33 +251,33 @@ class RoutedStream:
             on_done()
 
 
-def build_engine(model_dir: str | os.PathLike, config: EngineConfig, show_progress: bool = True
-                 ) -> LLMEngine | DataParallelEngine:
-    """The offline engine for `config`: one LLMEngine, or replicas when data_parallel_size > 1."""
+def build_engine(model_dir: str | os.PathLike, config: EngineConfig, show_progress: bool = True) -> LLMEngine:
+    """The offline engine for `config`: over one EngineCore, or over replicas when data_parallel_size > 1."""
     if config.data_parallel_size == 1:
         return LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress)
     initialize(config.coordinator_address, config.num_processes, config.process_id)
-    return DataParallelEngine(build_replicas(model_dir, config, show_progress))
+    return LLMEngine.from_core(DataParallelCore(build_replicas(model_dir, config, show_progress)))
 
 
 def start_async_engine(model_dir: str | os.PathLike, config: EngineConfig, max_queued_requests: int | None = None,
                        show_progress: bool = True) -> AsyncEngine | ReplicaRouter | None:
-    """The server's engine, started: one AsyncEngine, or a ReplicaRouter over data_parallel_size of them sharing
-    `max_queued_requests`. Multi-host: process 0 gets an AsyncEngine that also releases the followers when
-    stopped; any other process runs the leader's steps until it stops, then gets None (serve nothing, exit)."""
+    """The server's engine client, started: one AsyncEngine, or a ReplicaRouter over data_parallel_size of them
+    sharing `max_queued_requests`. Multi-host: process 0 gets an AsyncEngine that also releases the followers
+    when stopped; any other process runs the leader's steps until it stops, then gets None (serve nothing,
+    exit)."""
     if config.data_parallel_size == 1:
-        engine = LLMEngine.from_model_dir(model_dir, config, show_progress=show_progress)
-        if follow_if_follower(engine) is not None:
+        core = EngineCore.from_model_dir(model_dir, config, show_progress=show_progress)
+        if follow_if_follower(core) is not None:
             return None
-        return LeaderAsyncEngine(engine, max_queued_requests).start()
+        return LeaderAsyncEngine(core, max_queued_requests).start()
     initialize(config.coordinator_address, config.num_processes, config.process_id)
-    replicas = [AsyncEngine(engine) for engine in build_replicas(model_dir, config, show_progress)]
+    replicas = [AsyncEngine(core) for core in build_replicas(model_dir, config, show_progress)]
     return ReplicaRouter(replicas, max_queued_requests).start()
 
 
 class LeaderAsyncEngine(AsyncEngine):
-    """AsyncEngine whose stop() also ends a multi-host run (LLMEngine.close: the followers return)."""
+    """AsyncEngine whose stop() also ends a multi-host run (EngineCore.close: the followers return)."""
 
     def stop(self, timeout: float | None = 30.0) -> None:
         super().stop(timeout)
-        self.engine.close()
+        self.core.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from jaxserve.engine.buckets import StepShape
 
@@ -54,6 +55,7 @@ class StepClock:
     dispatch_started: float
     seen_ready_at: float | None = None  # a non-blocking check found it done: an upper bound on its end
     end: float | None = None  # the host was blocked on it until then: its exact end
+    waited: float = 0.0  # seconds the host spent fetching its results
 
     def saw_ready(self, now: float) -> None:
         if self.seen_ready_at is None:
@@ -64,7 +66,8 @@ class StepClock:
         if blocked and self.end is None:
             self.end = returned
         self.saw_ready(started)
-        return returned - started
+        self.waited = returned - started
+        return self.waited
 
     @property
     def ready_at(self) -> float:
@@ -149,3 +152,82 @@ def attention_work(context_len: int, num_new_tokens: int, sliding_window: int | 
     last_unclipped = min(context_len, window)
     unclipped = max(0, last_unclipped - first + 1) * (first + last_unclipped) // 2
     return unclipped + (context_len - max(first - 1, window)) * window if context_len > window else unclipped
+
+
+class StepMeter:
+    """The engine's measurement hook: it watches a step's life (started, dispatched, fetched, finished) and keeps
+    EngineStats. The step loop calls it at those points and knows nothing else about timing; NullMeter is the
+    same interface doing nothing."""
+
+    def __init__(self, sliding_window: int | None = None):
+        self.stats = EngineStats()
+        self._sliding_window = sliding_window
+        self._clocks: dict[int, StepClock] = {}  # step id -> what the host saw of it, while it is in flight
+        self._started = 0.0
+        self._device_idle = True
+
+    def work_arrived(self) -> None:
+        self.stats.work_arrived(time.perf_counter())
+
+    def step_started(self, in_flight) -> None:
+        """A non-blocking look at the step in flight: has the device finished it?"""
+        self._started = now = time.perf_counter()
+        self._device_idle = in_flight is None or in_flight.sampled.tokens.is_ready()
+        if in_flight is not None and self._device_idle:
+            self._clocks[in_flight.plan.step_id].saw_ready(now)
+
+    def dispatching(self, plan) -> None:
+        self._clocks[plan.step_id] = StepClock(time.perf_counter())
+
+    def dispatched(self, pending, overlapped: bool) -> None:
+        """With the one-step-ahead overlap, a step dispatched to an idle device is sometimes waited for at once:
+        an exact sample of its shape's device time (see the module docstring)."""
+        self.stats.host_seconds += time.perf_counter() - self._started
+        if overlapped and self._device_idle and self.stats.sample_due(pending.shape):
+            pending.sampled.tokens.block_until_ready()
+            self._clocks[pending.plan.step_id].end = time.perf_counter()
+
+    def fetch_started(self, pending) -> tuple[float, bool]:
+        return time.perf_counter(), not pending.sampled.tokens.is_ready()
+
+    def fetch_done(self, pending, started: tuple[float, bool]) -> None:
+        start, blocked = started
+        self._clocks[pending.plan.step_id].fetched(start, time.perf_counter(), blocked)
+
+    def step_finished(self, pending) -> None:
+        clock = self._clocks.pop(pending.plan.step_id)
+        rows, window = pending.plan.seqs, self._sliding_window
+        self.stats.record(StepRecord(
+            pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at, time.perf_counter(), clock.waited,
+            sampled_tokens=sum(row.sample for row in rows), context_tokens=sum(row.context_len for row in rows),
+            attended_pairs=sum(attention_work(row.context_len, row.num_new_tokens, window) for row in rows),
+            dispatch_started=clock.dispatch_started, ready_at=clock.ready_at, end_exact=clock.end is not None,
+            page_stall=pending.plan.waiting_for_pages))
+
+
+class NullMeter:
+    """StepMeter's interface, measuring nothing (its stats stay empty)."""
+
+    def __init__(self):
+        self.stats = EngineStats()
+
+    def work_arrived(self) -> None:
+        pass
+
+    def step_started(self, in_flight) -> None:
+        pass
+
+    def dispatching(self, plan) -> None:
+        pass
+
+    def dispatched(self, pending, overlapped: bool) -> None:
+        pass
+
+    def fetch_started(self, pending) -> None:
+        return None
+
+    def fetch_done(self, pending, started) -> None:
+        pass
+
+    def step_finished(self, pending) -> None:
+        pass

@@ -45,7 +45,12 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledSequence:
+    """One row of a step: everything the engine needs about the sequence, so it never looks one up."""
+
     seq_id: int
+    request_id: str
+    index: int  # the sample within its request
+    params: SamplingParams
     slot: int
     num_new_tokens: int
     context_len: int  # tokens in the cache after this step
@@ -60,6 +65,8 @@ class SlotAssignment:
 
     slot: int
     seq_id: int
+    request_id: str
+    index: int
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     params: SamplingParams
@@ -94,11 +101,17 @@ class SampledToken:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceUpdate:
-    """What update() did to a sequence: a new token (unless the sequence had already finished) and maybe a finish."""
+    """What update() did to a sequence: a new token, and its finish if that token ended it."""
 
-    seq: Sequence
-    token: SampledToken | None
-    finished: bool
+    request_id: str
+    index: int
+    token: SampledToken
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class Scheduler:
@@ -166,6 +179,14 @@ class Scheduler:
                 self.finish(seq, "abort")
         return seqs
 
+    def finish_sample(self, request_id: str, index: int, reason: str, stop_reason: str | int | None = None) -> bool:
+        """Finishes one sample of a request (a stop string ended it); True if the whole request is now over."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return False
+        self.finish(seqs[index], reason, stop_reason)
+        return request_id not in self.requests
+
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         if seq.is_finished:
             return
@@ -192,6 +213,11 @@ class Scheduler:
                 for s in rest:
                     s.fork_parent = leader
                 self._held_forks[leader.seq_id] = rest
+
+    @property
+    def has_requests(self) -> bool:
+        """Some request has a sequence that has not finished (it may wait for its sibling's prompt)."""
+        return bool(self.requests)
 
     @property
     def has_work(self) -> bool:
@@ -244,8 +270,8 @@ class Scheduler:
             if not self._admit(seq, budget):
                 return True
             self.waiting.pop(index)
-            new_slots.append(SlotAssignment(seq.slot, seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens,
-                                            seq.params, seq.seed))
+            new_slots.append(SlotAssignment(seq.slot, seq.seq_id, seq.request_id, seq.index, tuple(seq.token_ids),
+                                            seq.num_prompt_tokens, seq.params, seq.seed))
             scheduled[seq.seq_id] = self._advance(seq, min(seq.num_uncomputed_tokens, budget.tokens), budget)
         return False
 
@@ -277,8 +303,8 @@ class Scheduler:
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             self._release_forks(seq)
         prompt_logprobs = seq.wants_prompt_logprobs and seq.num_computed_tokens - num_new < seq.num_prompt_tokens
-        return ScheduledSequence(seq.seq_id, seq.slot, num_new, seq.num_computed_tokens, sample, tuple(seq.pages),
-                                 prompt_logprobs)
+        return ScheduledSequence(seq.seq_id, seq.request_id, seq.index, seq.params, seq.slot, num_new,
+                                 seq.num_computed_tokens, sample, tuple(seq.pages), prompt_logprobs)
 
     def _release_forks(self, leader: Sequence) -> None:
         """Siblings of a request share the leader's full prompt pages and recompute only the remainder."""
@@ -353,7 +379,7 @@ class Scheduler:
                 self.finish(seq, *reason)
             elif seq.status is SequenceStatus.RUNNING:
                 self._register_full_pages(seq)
-            updates.append(SequenceUpdate(seq, token, seq.is_finished))
+            updates.append(SequenceUpdate(seq.request_id, seq.index, token, seq.finish_reason, seq.stop_reason))
         return updates
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:

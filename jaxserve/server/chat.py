@@ -36,7 +36,7 @@ async def create_chat_completion(request: Request) -> Response:
     params = sampling_params(server, body, max_tokens=body.max_new_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     view = ChatView(server, body, [prompt])
-    return await respond(request, view, await submit(server, view.id, [prompt], params))
+    return await respond(request, view, await submit(server, view.id, [prompt], params, body.stream))
 
 
 def check_chat_request(body: ChatCompletionRequest) -> None:
@@ -87,11 +87,10 @@ class ChatView(ResponseView):
 
     def delta_choices(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> list[dict]:
         index = self.index(prompt_index, sample)
-        new_logprobs = sample.logprobs[len(sample.logprobs) - len(sample.new_token_ids):] if sample.logprobs else []
         choices = []
-        if sample.new_text or new_logprobs:
-            choices.append({"index": index, "delta": {"content": sample.new_text},
-                            "logprobs": self._logprobs(sample, new_logprobs), "finish_reason": None})
+        if sample.text or sample.logprobs:
+            choices.append({"index": index, "delta": {"content": sample.text},
+                            "logprobs": self._logprobs(sample, sample.logprobs), "finish_reason": None})
         if sample.finished:
             choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": sample.finish_reason,
                             "stop_reason": sample.stop_reason})

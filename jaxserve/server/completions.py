@@ -37,7 +37,7 @@ async def create_completion(request: Request) -> Response:
         check_length(server, prompt, params.max_tokens, prompt_param=prompt_param(body, i),
                      max_tokens_param="max_tokens")
     view = CompletionView(server, body, prompts)
-    return await respond(request, view, await submit(server, view.id, prompts, params))
+    return await respond(request, view, await submit(server, view.id, prompts, params, body.stream))
 
 
 def check_completion_request(body: CompletionRequest) -> None:
@@ -87,40 +87,38 @@ class CompletionView(ResponseView):
         self.score_only = body.max_tokens == 0
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
+        self._prompt_logprobs: dict[int, tuple] = {}  # prompt index -> its scores (they arrive once per request)
 
     def completion_tokens(self, sample: CompletionOutput) -> int:
-        return 0 if self.score_only else len(sample.token_ids)
+        return 0 if self.score_only else sample.num_tokens
 
     def choice(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> dict:
-        index = self.index(prompt_index, sample)
-        self._echoed.discard(index)
-        self._offsets.pop(index, None)
-        return self._piece(prompt_index, output, sample, sample.token_ids, sample.text, finished=True)
+        return self._piece(prompt_index, output, sample, finished=True)
 
     def delta_choices(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> list[dict]:
-        index = self.index(prompt_index, sample)
-        if not (sample.token_ids or sample.finished):
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_index] = output.prompt_logprobs
+        if not (sample.token_ids or sample.text or sample.finished):
             return []  # the prompt (and its logprobs) is not complete yet
-        if not self._has_news(index, sample):
+        if not self._has_news(self.index(prompt_index, sample), sample):
             return []
-        return [self._piece(prompt_index, output, sample, sample.new_token_ids, sample.new_text,
-                            finished=sample.finished)]
+        return [self._piece(prompt_index, output, sample, finished=sample.finished)]
 
     def _has_news(self, index: int, sample: CompletionOutput) -> bool:
         echo_pending = self.body.echo and index not in self._echoed
-        new_logprobs = self.body.logprobs is not None and bool(sample.new_token_ids)
-        return bool(sample.new_text) or sample.finished or echo_pending or new_logprobs
+        new_logprobs = self.body.logprobs is not None and bool(sample.token_ids)
+        return bool(sample.text) or sample.finished or echo_pending or new_logprobs
 
-    def _piece(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput, token_ids: list[int],
-               text: str, finished: bool) -> dict:
-        """A choice (or a streamed part of one): the echoed prompt first if not yet sent, then generated text."""
+    def _piece(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput, finished: bool) -> dict:
+        """A choice, or a streamed part of one (`sample` holds a delta then): the echoed prompt first if not yet
+        sent, then generated text."""
         index = self.index(prompt_index, sample)
+        token_ids, text, entries = sample.token_ids, sample.text, sample.logprobs or ()
         if self.score_only:
-            token_ids, text = [], ""
-        ids, entries, prefix = self._echo(index, prompt_index, output)
-        new_entries = sample.logprobs[len(sample.logprobs) - len(token_ids):] if sample.logprobs else []
+            token_ids, text, entries = (), "", ()
+        ids, echo_entries, prefix = self._echo(index, prompt_index, output)
         return {"index": index, "text": prefix + text,
-                "logprobs": self._logprobs(index, ids + list(token_ids), entries + new_entries),
+                "logprobs": self._logprobs(index, ids + list(token_ids), echo_entries + list(entries)),
                 "finish_reason": self._finish_reason(sample) if finished else None,
                 "stop_reason": sample.stop_reason if finished and not self.score_only else None}
 
@@ -129,8 +127,8 @@ class CompletionView(ResponseView):
             return [], [], ""
         self._echoed.add(index)
         prompt = self.prompts[prompt_index]
-        entries = list(output.prompt_logprobs) if output.prompt_logprobs is not None else []
-        return list(prompt.token_ids), entries, prompt.text
+        scores = output.prompt_logprobs or self._prompt_logprobs.get(prompt_index)
+        return list(prompt.token_ids), list(scores) if scores is not None else [], prompt.text
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list) -> dict | None:
         if self.body.logprobs is None:

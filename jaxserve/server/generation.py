@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from jaxserve.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
+from jaxserve.engine.client import EngineDeadError, QueueFullError, RequestStream
+from jaxserve.outputs import OutputKind
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import bad_request, service_unavailable, too_many_requests
 from jaxserve.server.protocol import SamplingFields
@@ -87,14 +88,16 @@ def check_token_ids(server: ServerState, token_ids: Sequence[int], param: str) -
                           param=param)
 
 
-async def submit(server: ServerState, request_id: str, prompts: Sequence[Prompt],
-                 params: SamplingParams) -> list[RequestStream]:
-    """One engine request per prompt, all accepted or none (those already accepted are aborted)."""
+async def submit(server: ServerState, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
+                 stream: bool) -> list[RequestStream]:
+    """One engine request per prompt, all accepted or none (those already accepted are aborted). A streamed
+    response gets deltas, any other only each request's final output."""
+    kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt.token_ids, params,
-                                                           prompt_text=prompt.text))
+                                                           prompt_text=prompt.text, kind=kind))
     except BaseException as exc:
         close_all(streams)
         if isinstance(exc, Exception):

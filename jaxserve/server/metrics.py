@@ -23,9 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxserve.config import default_compilation_cache_dir
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.observability.bottleneck import VERDICTS, BottleneckMonitor, monitor_for
+from jaxserve.engine.client import EngineClient
+from jaxserve.observability.bottleneck import VERDICTS, BottleneckMonitor
 from jaxserve.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -52,11 +51,11 @@ class RequestTimes:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str, monitor: BottleneckMonitor | None = None):
+    def __init__(self, engine: EngineClient, model_name: str, monitor: BottleneckMonitor | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.engine = engine
-        self.monitor = monitor or monitor_for(llm_engines(engine), ceilings_cache_dir(engine))
+        self.monitor = monitor or engine.monitor
         self.recent: collections.deque[RequestTimes] = collections.deque(maxlen=LATENCY_WINDOW_REQUESTS)
         self.registry.register(EngineStateCollector(engine, model_name, self.monitor))
         model = ["model_name"]
@@ -97,7 +96,7 @@ class ServerMetrics:
     def observe_finished(self, output: RequestOutput) -> None:
         """A request's final output (every sample finished)."""
         name = self.model_name
-        generated = sum(len(sample.token_ids) for sample in output.outputs)
+        generated = sum(sample.num_tokens for sample in output.outputs)
         self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(name).inc(generated)
         self.request_prompt_tokens.labels(name).observe(len(output.prompt_token_ids))
@@ -142,7 +141,7 @@ class ServerMetrics:
     def dashboard_snapshot(self) -> dict:
         """Everything /dashboard plots, now. Rates are left to the page (differences of the `totals` between
         two polls), so this holds no history but the recent requests' latencies."""
-        engines = llm_engines(self.engine)
+        stats = self.engine.stats()
         report = self.monitor.report()
         cutoff = time.monotonic() - LATENCY_WINDOW_SECONDS
         recent = [t for t in tuple(self.recent) if t.finished >= cutoff]
@@ -150,19 +149,17 @@ class ServerMetrics:
         return {
             "time": time.time(),
             "model": self.model_name,
-            "totals": {"steps": sum(e.stats.totals.steps for e in engines),
-                       "tokens": sum(e.stats.totals.tokens for e in engines),
-                       "generated_tokens": sum(e.stats.totals.sampled_tokens for e in engines)},
+            "totals": {"steps": stats.steps, "tokens": stats.tokens, "generated_tokens": stats.generated_tokens},
             "latency_window_seconds": LATENCY_WINDOW_SECONDS,
             "finished_requests": len(recent),
             "ttft": percentiles([t.ttft for t in recent]),
             "tpot": percentiles([t.tpot for t in recent]),
             "e2e": percentiles([t.e2e for t in recent]),
             "queue": percentiles([t.queue for t in recent]),
-            "running": self.engine.num_running,
-            "waiting": self.engine.num_waiting,
-            "kv_cache_usage": kv_cache_usage(engines),
-            "preemptions": sum(e.scheduler.num_preemptions for e in engines),
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "preemptions": stats.num_preemptions,
             "bottleneck": {"window_seconds": self.monitor.window_seconds, **report.as_dict()},
             "ceilings": {"device": ceilings.device_kind, "bandwidth": ceilings.bandwidth, "flops": ceilings.flops,
                          "dtype": ceilings.dtype, "source": ceilings.source,
@@ -173,7 +170,7 @@ class ServerMetrics:
 
 def request_times(output: RequestOutput) -> RequestTimes:
     m = output.metrics
-    longest = max((len(sample.token_ids) for sample in output.outputs), default=0)
+    longest = max((sample.num_tokens for sample in output.outputs), default=0)
     last = m.last_token_time
     return RequestTimes(
         finished=time.monotonic(), ttft=m.first_token_time - m.arrival_time,
@@ -190,58 +187,40 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, float | None]:
     return {f"p{q}": data[min(len(data) - 1, max(0, -(-q * len(data) // 100) - 1))] for q in qs}
 
 
-def llm_engines(engine) -> list:
-    """The LLMEngines behind an AsyncEngine, or behind each replica of a data-parallel ReplicaRouter."""
-    replicas = getattr(engine, "replicas", None)
-    return [replica.engine for replica in replicas] if replicas else [engine.engine]
-
-
-def ceilings_cache_dir(engine) -> str:
-    """The device-ceilings cache lives with the compilation cache (its default place when that is disabled)."""
-    return engine.engine.config.compilation_cache_dir or default_compilation_cache_dir()
-
-
-def kv_cache_usage(engines) -> float:
-    return sum(e.scheduler.allocator.usage for e in engines) / len(engines)
-
-
 class EngineStateCollector:
-    """Engine state, read when Prometheus scrapes. Reads plain counters the engine thread writes: a scrape may
-    see a value one step old, never a torn one."""
+    """Engine state, read when Prometheus scrapes: the engine client's latest stats snapshot (frozen, at most a
+    step old) and the bottleneck monitor."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, monitor: BottleneckMonitor):
+    def __init__(self, engine: EngineClient, model_name: str, monitor: BottleneckMonitor):
         self.engine = engine
         self.model_name = model_name
         self.monitor = monitor
 
     def collect(self):
         labels = [self.model_name]
-        engines = llm_engines(self.engine)
-        yield _gauge("jaxserve:num_requests_running", "Sequences in the running batch.", self.engine.num_running,
+        stats = self.engine.stats()
+        yield _gauge("jaxserve:num_requests_running", "Sequences in the running batch.", stats.num_running, labels)
+        yield _gauge("jaxserve:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting,
                      labels)
-        yield _gauge("jaxserve:num_requests_waiting", "Sequences waiting to be scheduled.",
-                     self.engine.num_waiting, labels)
         yield _gauge("jaxserve:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).",
-                     kv_cache_usage(engines), labels)
+                     stats.kv_cache_usage, labels)
         yield _gauge("jaxserve:engine_alive", "1 while the engine loop runs, 0 once it has died.",
                      int(self.engine.is_alive), labels)
-        yield _counter("jaxserve:num_preemptions", "Sequences preempted (recomputed later).",
-                       sum(e.scheduler.num_preemptions for e in engines), labels)
-        prefix = [e.scheduler.allocator.stats for e in engines]
+        yield _counter("jaxserve:num_preemptions", "Sequences preempted (recomputed later).", stats.num_preemptions,
+                       labels)
         yield _counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                       sum(s.queries for s in prefix), labels)
+                       stats.prefix_cache_queries, labels)
         yield _counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                       sum(s.hits for s in prefix), labels)
-        yield from self._step_counters(engines, labels)
+                       stats.prefix_cache_hits, labels)
+        yield from self._step_counters(stats, labels)
         yield from self._bottleneck(labels)
 
-    def _step_counters(self, engines, labels):
-        totals = [e.stats.totals for e in engines]
-        yield _counter("jaxserve:engine_steps", "Model steps run.", sum(t.steps for t in totals), labels)
+    def _step_counters(self, stats, labels):
+        yield _counter("jaxserve:engine_steps", "Model steps run.", stats.steps, labels)
         yield _counter("jaxserve:device_busy_seconds", "Device time of the steps (docs/metrics.md).",
-                       sum(t.device_seconds for t in totals), labels)
+                       stats.device_busy_seconds, labels)
         yield _counter("jaxserve:device_idle_seconds", "Time the device sat idle waiting for the host while the "
-                       "engine had work.", sum(t.host_gap_seconds for t in totals), labels)
+                       "engine had work.", stats.device_idle_seconds, labels)
         work = self.monitor.total_work()
         moved = CounterMetricFamily("jaxserve:step_bytes", "Bytes the steps had to move (the floor: weights once "
                                     "per step, KV read and written).", labels=["model_name", "kind"])

@@ -5,6 +5,8 @@
 
 A ResponseView subclass says how one endpoint shapes choices; this module frames them. Choice indices: prompt p,
 sample s -> p * n + s (vLLM's order); streamed chunks of different choices interleave as tokens arrive.
+Streamed requests run with OutputKind.DELTA (each output holds only new text, tokens and logprobs), the others
+with FINAL_ONLY (one output holding everything), so no step copies a request's whole history.
 An engine failure fails the request: 500 before the response started, else a final `data: {"error": ...}` event.
 """
 
@@ -17,7 +19,7 @@ from typing import AsyncIterator, Sequence
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.async_engine import RequestStream
+from jaxserve.engine.client import RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.errors import engine_failed
 from jaxserve.server.generation import Prompt
@@ -46,14 +48,15 @@ class ResponseView:
         raise NotImplementedError
 
     def delta_choices(self, prompt_index: int, output: RequestOutput, sample: CompletionOutput) -> list[dict]:
-        """Chunks' choices for what `sample` gained in `output`; when it finished, the last carries the reason."""
+        """Chunks' choices for what `sample` gained in `output` (a delta); when it finished, the last carries the
+        reason."""
         raise NotImplementedError
 
     def opening_choices(self) -> list[dict]:
         return []
 
     def completion_tokens(self, sample: CompletionOutput) -> int:
-        return len(sample.token_ids)
+        return sample.num_tokens
 
     # ---- framing --------------------------------------------------------------------------------------------
     def index(self, prompt_index: int, sample: CompletionOutput) -> int:

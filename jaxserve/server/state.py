@@ -7,7 +7,7 @@ import time
 
 from starlette.requests import Request
 
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineClient
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logprobs import TokenText
@@ -16,7 +16,7 @@ from jaxserve.server.metrics import ServerMetrics
 
 @dataclasses.dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     model_names: tuple[str, ...]  # the first is the one reported in responses
     root: str  # the model directory
@@ -26,10 +26,10 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def build(cls, engine: AsyncEngine, config: ServerConfig, model_dir: str) -> "ServerState":
+    def build(cls, engine: EngineClient, config: ServerConfig, model_dir: str) -> "ServerState":
         names = tuple(config.served_model_name or (str(model_dir),))
         return cls(engine, config, names, str(model_dir), ServerMetrics(engine, names[0]), Lifecycle(),
-                   TokenText(engine.engine.tokenizer))
+                   TokenText(engine.info.tokenizer))
 
     @property
     def model_name(self) -> str:
@@ -37,15 +37,15 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.info.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.model_config.vocab_size
+        return self.engine.info.vocab_size
 
 
 def server_of(request: Request) -> ServerState:

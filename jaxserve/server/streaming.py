@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from jaxserve.engine.async_engine import RequestStream
+from jaxserve.engine.client import RequestStream
 from jaxserve.outputs import RequestOutput
 
 SSE_DONE = b"data: [DONE]\n\n"

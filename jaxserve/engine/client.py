@@ -1,0 +1,96 @@
+"""The engine client: everything a front end (the HTTP server, its metrics) may know of an engine. AsyncEngine
+(one engine core on its own thread) and ReplicaRouter (data-parallel replicas) implement it; the server depends
+on nothing else of jaxserve.engine. No jax here.
+
+    add_request(id, prompt ids, params)  -> RequestStream of RequestOutputs (frozen), validated on the way in
+    abort(id)                            ends a request (closing its stream does too)
+    stats()                              SchedulerStats: a frozen snapshot, at most one step old
+    info                                 what does not change: tokenizer, model config, limits
+    monitor                              the bottleneck monitor over the engine's step records
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence, runtime_checkable
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.messages import SchedulerStats
+from jaxserve.outputs import OutputKind, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.validation import RequestLimits
+
+if TYPE_CHECKING:
+    from jaxserve.observability.bottleneck import BottleneckMonitor
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; the message says which."""
+
+
+class QueueFullError(RuntimeError):
+    """Admission control: too many requests are already waiting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What a front end needs to know of the model it talks to; fixed at start-up."""
+
+    tokenizer: object
+    model_config: ModelConfig
+    max_model_len: int
+    compilation_cache_dir: str | None = None  # where the device-ceilings cache lives too
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+
+@runtime_checkable
+class RequestStream(Protocol):
+    """One accepted request's outputs in order; the last has finished=True. close() before then aborts it."""
+
+    request_id: str
+
+    @property
+    def finished(self) -> bool: ...
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    info: EngineInfo
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def monitor(self) -> "BottleneckMonitor": ...
+
+    def stats(self) -> SchedulerStats: ...
+
+    async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
+                          priority: int = 0, prompt_text: str | None = None,
+                          kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+        """Validates the request (jaxserve.validation.InvalidRequestError names the bad parameter) and returns
+        once the engine accepted it. Raises QueueFullError when admission refuses it, EngineDeadError when the
+        engine is not running."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def start(self) -> "EngineClient": ...
+
+    def stop(self, timeout: float | None = 30.0) -> None: ...

@@ -1,0 +1,87 @@
+"""What crosses the engine core's boundary, both ways. Every type is frozen and holds only tuples, strings and
+numbers, so a value made on the engine thread can be read on any other thread while the engine goes on.
+
+    front end ── EngineRequest (validated) ────────────────────────────► engine core (scheduler, device)
+              ◄── StepOutputs: SampleDelta per sample with news, SchedulerStats, finished request ids ──
+
+No jax here: the server imports these types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.outputs import TokenLogprob
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request the front end has tokenized and validated (jaxserve.validation); the core trusts it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic
+    priority: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptLogprobsChunk:
+    """Scores of a chunk of prompt tokens: logprobs[j] and top[j] are for the prompt token at first_position + j
+    (positions past the prompt's end are padding; the output processor knows the prompt and skips them)."""
+
+    first_position: int
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]  # per position: (token_id, logprob), best first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleDelta:
+    """What one sample of a request gained in one step. A delta with no tokens may still carry news: the first
+    time the sample was scheduled, prompt logprobs of a prompt chunk, or the sample's end (abort)."""
+
+    request_id: str
+    index: int  # the sample, 0..n-1
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it
+    prompt_logprobs: PromptLogprobsChunk | None = None
+    scheduled_time: float | None = None  # set once: when the sample first got a device slot (time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The engine's state after a step, for admission and metrics (counters are totals since start-up)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV pages in use
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0
+    steps: int = 0
+    tokens: int = 0  # tokens the steps ran (prompt chunks and decodes)
+    generated_tokens: int = 0
+    device_busy_seconds: float = 0.0
+    device_idle_seconds: float = 0.0  # the device waited for the host while there was work
+
+    @staticmethod
+    def combine(replicas: "tuple[SchedulerStats, ...] | list[SchedulerStats]") -> "SchedulerStats":
+        """Data-parallel replicas: counts add up; KV usage is the mean of the replicas'."""
+        fields = {f.name: sum(getattr(s, f.name) for s in replicas) for f in dataclasses.fields(SchedulerStats)}
+        fields["kv_cache_usage"] /= max(len(replicas), 1)
+        return SchedulerStats(**fields)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutputs:
+    deltas: tuple[SampleDelta, ...]
+    stats: SchedulerStats
+    finished_requests: tuple[str, ...] = ()  # every sample of these has ended: the core forgot them
+    time: float = 0.0  # time.monotonic when the step's results were read
