@@ -29,8 +29,9 @@ from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
 from jaxserve.engine import replicas
-from jaxserve.engine.engine import LLMEngine, resolve_dtype
-from jaxserve.engine.replicas import DataParallelEngine
+from jaxserve.engine.engine import EngineCore, LLMEngine, resolve_dtype
+from jaxserve.engine.replicas import DataParallelCore
+from jaxserve.outputs import OutputKind
 from jaxserve.models.linear import dense
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
@@ -52,7 +53,7 @@ def preset_config(name: str, dtype: str) -> ModelConfig:
                        max_position_embeddings=8192, dtype=dtype, **spec)
 
 
-def build_engine(args) -> LLMEngine | DataParallelEngine:
+def build_engine(args) -> LLMEngine:
     options = dict(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.input_len + args.output_len, tensor_parallel_size=args.tensor_parallel_size,
                    data_parallel_size=args.data_parallel_size)
@@ -62,12 +63,12 @@ def build_engine(args) -> LLMEngine | DataParallelEngine:
     cfg = dataclasses.replace(preset_config(args.preset, args.dtype), quantization=args.quantize)
     model = random_model(cfg, numpy_dtype(resolve_dtype(config.dtype, args.dtype)), seed=0)
     if config.data_parallel_size > 1:
-        return DataParallelEngine([LLMEngine(model, config, mesh=mesh)
-                                   for mesh in replicas.data_parallel_meshes(config)])
+        return LLMEngine.from_core(DataParallelCore([EngineCore(model, config, mesh=mesh)
+                                                     for mesh in replicas.data_parallel_meshes(config)]))
     return LLMEngine(model, config)
 
 
-def run_batch_replicas(front: DataParallelEngine, n: int, args) -> dict:
+def run_batch_replicas(front: LLMEngine, n: int, args) -> dict:
     """Data parallelism: end-to-end throughput of N requests spread over the replicas (per-step device accounting
     and the matmul floor are per engine: run the bench on one replica's devices for those)."""
     rng = np.random.default_rng(n)
@@ -77,9 +78,9 @@ def run_batch_replicas(front: DataParallelEngine, n: int, args) -> dict:
     _generate(front, prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True), "run")
     wall = time.perf_counter() - start
     out_tokens = n * args.output_len
-    first = front.replicas[0]
+    first = front.core.replicas[0]
     return dict(engine="jaxserve", model=args.model or args.preset, N=n, input_len=args.input_len,
-                output_len=args.output_len, data_parallel_size=len(front.replicas),
+                output_len=args.output_len, data_parallel_size=len(front.core.replicas),
                 tensor_parallel_size=first.config.tensor_parallel_size, total_s=round(wall, 3),
                 out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
                 attention=first.attention_impl, device=jax.devices()[0].device_kind, host=platform.node(),
@@ -177,8 +178,9 @@ def _device_seconds(engine: LLMEngine, prompts, params) -> float:
 
 
 def _generate(engine: LLMEngine, prompts, params, tag):
+    """As LLM.generate runs them: only each request's final output is built."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
+        engine.add_request(f"{tag}-{i}", p, params, kind=OutputKind.FINAL_ONLY)
     return engine.run_until_done()
 
 
@@ -199,11 +201,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="append one JSON line per batch size to this file")
     args = ap.parse_args(argv)
     engine = build_engine(args)
-    first = engine.replicas[0] if isinstance(engine, DataParallelEngine) else engine
+    data_parallel = isinstance(engine.core, DataParallelCore)
+    first = engine.core.replicas[0] if data_parallel else engine.core
     print(f"# {jax.devices()[0].device_kind}: compiled {first.runner.num_executables} executables "
           f"in {first.compile_seconds:.1f}s ({first.sharder.describe()})", file=sys.stderr)
     for n in args.batch_sizes:
-        if isinstance(engine, DataParallelEngine):
+        if data_parallel:
             record = run_batch_replicas(engine, n, args)
         else:
             record = {**run_batch(engine, n, args), "tensor_parallel_size": engine.core.config.tensor_parallel_size}

@@ -82,7 +82,7 @@ def test_long_context_batch_1_decode_is_bandwidth_bound(medium_engine, ceilings)
     prompt = rng.integers(3, MEDIUM.vocab_size, 1023).tolist()
     records = run(medium_engine, [prompt], SamplingParams(max_tokens=48, **GREEDY), "decode")
     decode = [r for r in records if r.shape.kind == "decode"]
-    report = window_report(decode[4:], model_cost(medium_engine), ceilings)  # steady state, context >= 1,027
+    report = window_report(decode[4:], model_cost(medium_engine.core), ceilings)  # steady state, context >= 1,027
     print(describe("batch-1 decode", report, ceilings))
     assert report.verdict == "bandwidth"
     assert report.bandwidth_fraction > 2 * report.compute_fraction
@@ -94,7 +94,7 @@ def test_large_prefills_are_compute_bound(medium_engine, ceilings):
     prompts = [rng.integers(3, MEDIUM.vocab_size, 255).tolist() for _ in range(4)]
     records = run(medium_engine, prompts, SamplingParams(max_tokens=1, **GREEDY), "prefill")
     assert all(r.shape.kind == "prefill" and r.num_tokens == 255 for r in records)
-    report = window_report(records, model_cost(medium_engine), ceilings)
+    report = window_report(records, model_cost(medium_engine.core), ceilings)
     print(describe("256-token prefills", report, ceilings))
     assert report.verdict == "compute"
     assert report.compute_fraction > 10 * report.bandwidth_fraction
@@ -107,7 +107,7 @@ def test_flood_of_short_requests_on_a_tiny_model_is_host_bound(ceilings):
     params = SamplingParams(max_tokens=2, **GREEDY)
     run(engine, [rng.integers(3, 250, 8).tolist() for _ in range(512)], params, "warmup")
     records = run(engine, [rng.integers(3, 250, 8).tolist() for _ in range(512)], params, "flood")
-    report = window_report(records, model_cost(engine), ceilings)
+    report = window_report(records, model_cost(engine.core), ceilings)
     print(describe("flood of short requests", report, ceilings))
     assert report.verdict == "host"
     assert report.idle_fraction > 0.6

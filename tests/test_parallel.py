@@ -20,7 +20,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.async_engine import EngineDeadError, QueueFullError
+from jaxserve.engine.client import EngineDeadError, QueueFullError
+from jaxserve.engine.messages import SchedulerStats
 from jaxserve.engine.buckets import StepShape
 from jaxserve.engine.multihost import StepMessage, decode, encode
 from jaxserve.engine.placement import param_layout
@@ -211,8 +212,12 @@ class FakeReplica:
     def __init__(self):
         self.accepted, self.aborted, self.num_waiting, self.num_running = [], [], 0, 0
         self.is_alive, self.error, self.started, self.stopped = True, None, False, False
+        self.info = None
 
-    async def add_request(self, request_id, prompt, params, *, priority=0, prompt_text=None):
+    def stats(self):
+        return SchedulerStats(num_running=self.num_running, num_waiting=self.num_waiting)
+
+    async def add_request(self, request_id, prompt, params, *, priority=0, prompt_text=None, kind=None):
         await asyncio.sleep(0)
         self.accepted.append(request_id)
         return FakeStream(request_id, [type("Out", (), {"finished": False})(), type("Out", (), {"finished": True})()])
@@ -268,7 +273,7 @@ def test_router_shares_one_admission_limit_and_reports_dead_replicas():
     replicas = [FakeReplica(), FakeReplica()]
     replicas[0].num_waiting, replicas[1].num_waiting, replicas[1].num_running = 2, 1, 4
     router = ReplicaRouter(replicas, max_queued_requests=3)
-    assert (router.num_waiting, router.num_running) == (3, 4)
+    assert (router.stats().num_waiting, router.stats().num_running) == (3, 4)
     with pytest.raises(QueueFullError):
         asyncio.run(router.add_request("x", [1], SamplingParams()))
     replicas[1].num_waiting = 0

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.engine import EngineCore, LLMEngine
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.replicas import ReplicaRouter
 from jaxserve.parallel import single_device_mesh
@@ -28,7 +28,7 @@ def model_dir(converted):
 
 @pytest.fixture(scope="module")
 def replicas(model_dir):
-    return [LLMEngine.from_model_dir(model_dir, TINY_ENGINE, show_progress=False, mesh=single_device_mesh())
+    return [EngineCore.from_model_dir(model_dir, TINY_ENGINE, show_progress=False, mesh=single_device_mesh())
             for _ in range(2)]
 
 
@@ -41,7 +41,7 @@ def completions(url: str, prompts: list[str]) -> list[httpx.Response]:
 
 
 def test_router_serves_concurrent_clients_on_both_replicas(replicas, model_dir):
-    offline = LLM(engine=replicas[0]).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    offline = LLM(engine=LLMEngine.from_core(replicas[0])).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     steps_before = [r.stats.num_steps for r in replicas]
     router = ReplicaRouter([AsyncEngine(r) for r in replicas], max_queued_requests=256).start()
     try:

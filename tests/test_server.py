@@ -29,6 +29,10 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 CONCURRENT_PROMPTS = [f"Client {i} says" for i in range(64)]
 CONCURRENT = SamplingParams(temperature=0.0, max_tokens=16)
 SCORED = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+# 32 concurrent streams x 2 samples x 64 tokens with 5 alternatives each: the load under which a shared, growing
+# logprob list used to hand a chunk the logprobs of later tokens.
+STREAMED_PROMPTS = [f"Stream {i} of the race:" for i in range(32)]
+STREAMED = SamplingParams(n=2, temperature=1.0, seed=77, max_tokens=64, ignore_eos=True, logprobs=5)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,7 @@ def offline(model_dir):
         "chat": llm.generate([chat_ids], SamplingParams(temperature=0.0, max_tokens=16, logprobs=3))[0],
         "concurrent": llm.generate(CONCURRENT_PROMPTS, CONCURRENT),
         "scored": llm.generate(PROMPTS[0], SCORED)[0],
+        "streamed": llm.generate(STREAMED_PROMPTS, STREAMED),
     }
 
 
@@ -103,7 +108,8 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
 
 
 def wait_until_idle(server) -> None:
-    wait_for(lambda: server.engine.num_running == 0 and server.engine.num_waiting == 0 and kv_usage(server) == 0.0,
+    wait_for(lambda: server.engine.stats().num_running == 0 and server.engine.stats().num_waiting == 0
+             and kv_usage(server) == 0.0,
              what="the engine to go idle")
 
 
@@ -326,7 +332,7 @@ def test_full_queue_answers_429_with_retry_after(server):
             assert running.status_code == 200
             waiting = streams.enter_context(http.stream("POST", "/v1/completions", json={**long, "n": 4}))
             assert waiting.status_code == 200
-            wait_for(lambda: engine.num_waiting >= 4, what="4 waiting sequences")
+            wait_for(lambda: engine.stats().num_waiting >= 4, what="4 waiting sequences")
             for stream in (False, True):
                 refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
                 assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
@@ -565,3 +571,41 @@ def test_serve_bench_runs_against_the_server(server, tmp_path, monkeypatch):
         assert result["completed"] == 8 and result["failed"] == 0 and result["total_output_tokens"] == 48
         assert result["ttft"]["median_ms"] > 0 and result["tpot"]["mean_ms"] > 0 and result["itl"]["p99_ms"] > 0
     assert result["total_input_tokens"] > 8 * 12  # the chat template's tokens come on top of the words
+
+
+# ---- streamed logprobs belong to their chunk's tokens ---------------------------------------------------------
+def test_streamed_logprobs_belong_to_their_chunks_tokens(server, offline):
+    """Every chunk's logprob entries are those of the chunk's own tokens: their strings are the strings of the
+    offline engine's tokens at those positions, and their values the offline engine's (same seed)."""
+    from jaxserve.server.logprobs import TokenText
+    token_text = TokenText(offline["engine"].tokenizer)
+    body = {"model": MODEL, "n": 2, "temperature": 1.0, "seed": 77, "max_tokens": 64, "ignore_eos": True,
+            "logprobs": 5, "stream": True}
+
+    async def stream(client, prompt):
+        async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+            assert response.status_code == 200
+            return [json.loads(line[6:]) for line in [line async for line in response.aiter_lines()]
+                    if line.startswith("data: {")]
+
+    async def everyone():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(stream(client, p) for p in STREAMED_PROMPTS))
+
+    for chunks, reference in zip(asyncio.run(everyone()), offline["streamed"]):
+        seen = {0: 0, 1: 0}
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                sample = reference.outputs[choice["index"]]
+                logprobs, start = choice["logprobs"], seen[choice["index"]]
+                if logprobs is None:
+                    continue
+                count = len(logprobs["tokens"])
+                expected_ids = sample.token_ids[start:start + count]
+                assert logprobs["tokens"] == [token_text.text_of(t) for t in expected_ids]
+                assert logprobs["token_logprobs"] == pytest.approx(
+                    [e.logprob for e in sample.logprobs[start:start + count]], abs=1e-4)
+                for top, token in zip(logprobs["top_logprobs"], logprobs["tokens"]):
+                    assert len(top) >= 5 and token in top
+                seen[choice["index"]] = start + count
+        assert seen == {0: 64, 1: 64}

@@ -76,7 +76,7 @@ def serve_in_thread(state: ServerState) -> Iterator[LiveServer]:
 
 @contextlib.contextmanager
 def running_engine(engine: LLMEngine, max_queued_requests: int | None = 256) -> Iterator[AsyncEngine]:
-    async_engine = AsyncEngine(engine, max_queued_requests).start()
+    async_engine = AsyncEngine(engine.core, max_queued_requests).start()
     try:
         yield async_engine
     finally:

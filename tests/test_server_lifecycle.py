@@ -45,7 +45,7 @@ def test_engine_failure_fails_in_flight_requests_and_health(converted, monkeypat
             async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as stream:
                 lines = stream.aiter_lines()
                 assert (await anext(lines)).startswith("data: ")
-                await asyncio.to_thread(wait_for, lambda: async_engine.num_running == 2, 30, "both requests running")
+                await asyncio.to_thread(wait_for, lambda: async_engine.stats().num_running == 2, 30, "both requests running")
                 monkeypatch.setattr(engine.core.runner, "dispatch", broken_dispatch)
                 rest = [line async for line in lines]
             return await whole, rest
