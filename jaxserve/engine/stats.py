@@ -197,10 +197,17 @@ class StepMeter:
     def step_finished(self, pending) -> None:
         clock = self._clocks.pop(pending.plan.step_id)
         rows, window = pending.plan.seqs, self._sliding_window
+        sampled = context = pairs = 0
+        for row in rows:
+            sampled += row.sample
+            context += row.context_len
+            if row.num_new_tokens == 1:  # a decode token reads its whole context (or window)
+                pairs += row.context_len if window is None else min(row.context_len, window)
+            else:
+                pairs += attention_work(row.context_len, row.num_new_tokens, window)
         self.stats.record(StepRecord(
             pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at, time.perf_counter(), clock.waited,
-            sampled_tokens=sum(row.sample for row in rows), context_tokens=sum(row.context_len for row in rows),
-            attended_pairs=sum(attention_work(row.context_len, row.num_new_tokens, window) for row in rows),
+            sampled_tokens=sampled, context_tokens=context, attended_pairs=pairs,
             dispatch_started=clock.dispatch_started, ready_at=clock.ready_at, end_exact=clock.end is not None,
             page_stall=pending.plan.waiting_for_pages))
 
