@@ -219,8 +219,11 @@ def test_percentiles_nearest_rank():
 
 
 def test_server_metrics_read_every_data_parallel_replica():
-    from jaxserve.server.metrics import llm_engines
-    router = types.SimpleNamespace(replicas=[types.SimpleNamespace(engine="e0"), types.SimpleNamespace(engine="e1")],
-                                   engine="e0")
-    assert llm_engines(router) == ["e0", "e1"]
-    assert llm_engines(types.SimpleNamespace(engine="only")) == ["only"]
+    """The router's stats snapshot (what /metrics reads) adds up its replicas' counts; KV usage is their mean."""
+    from jaxserve.engine.messages import SchedulerStats
+    from jaxserve.engine.replicas import ReplicaRouter
+    snapshots = [SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, steps=3, prefix_cache_hits=2),
+                 SchedulerStats(num_running=2, kv_cache_usage=0.25, steps=4, device_busy_seconds=1.5)]
+    router = ReplicaRouter([types.SimpleNamespace(info=None, stats=lambda s=s: s) for s in snapshots])
+    assert router.stats() == SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.375, steps=7,
+                                            prefix_cache_hits=2, device_busy_seconds=1.5)

@@ -17,6 +17,8 @@ from jaxserve.cli_args import ENGINE_FLAG_HELP, add_config_flags, add_engine_fla
     engine_config_from_args, field_comments
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from jaxserve.engine.replicas import ReplicaRouter
+from jaxserve.engine.client import EngineClient
 from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats, StepOutputs
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -174,6 +176,7 @@ def run(coroutine):
 
 def test_add_request_returns_a_stream_after_acceptance():
     engine = AsyncEngine(FakeEngine()).start()
+    assert isinstance(engine, EngineClient) and isinstance(ReplicaRouter([engine]), EngineClient)
     try:
         async def scenario():
             stream = await engine.add_request("a", [1, 2], SamplingParams(max_tokens=3))

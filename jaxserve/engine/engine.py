@@ -191,9 +191,8 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> tuple[SampleDelta, ...]:
         """Ends every unfinished sample of the request with "abort"; their final deltas (none if unknown)."""
-        unfinished = [seq.index for seq in self.scheduler.requests.get(request_id, ()) if not seq.is_finished]
-        self.scheduler.abort_request(request_id)
-        return tuple(SampleDelta(request_id, index, finish_reason="abort") for index in unfinished)
+        return tuple(SampleDelta(request_id, index, finish_reason="abort")
+                     for index in self.scheduler.abort_request(request_id))
 
     def finish_sample(self, request_id: str, index: int, stop: str) -> bool:
         """A stop string ended this sample (the output processor saw it): frees its sequence. True if that was

@@ -171,13 +171,13 @@ class Scheduler:
             return self._rng.getrandbits(31)
         return (params.seed + 0x9E3779B1 * index) % (2**31)
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
-        """Finishes every sequence of the request with "abort" and frees what they hold. Unknown ids: no-op."""
-        seqs = self.requests.get(request_id, [])
-        for seq in seqs:
-            if not seq.is_finished:
-                self.finish(seq, "abort")
-        return seqs
+    def abort_request(self, request_id: str) -> list[int]:
+        """Finishes every unfinished sequence of the request with "abort" and frees what they hold; returns their
+        sample indices. Unknown ids: no-op."""
+        unfinished = [seq for seq in self.requests.get(request_id, []) if not seq.is_finished]
+        for seq in unfinished:
+            self.finish(seq, "abort")
+        return [seq.index for seq in unfinished]
 
     def finish_sample(self, request_id: str, index: int, reason: str, stop_reason: str | int | None = None) -> bool:
         """Finishes one sample of a request (a stop string ended it); True if the whole request is now over."""
