@@ -38,6 +38,7 @@ from jaxserve.quant.kv import kv_storage_dtype
 from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfig, StepPlan
+from jaxserve.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -171,14 +172,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     prompt_text: str | None = None, stream: bool = True) -> RequestState:
-        """Validates and queues a request. Raises ValueError with a message fit for a 400 response.
+        """Validates and queues a request. Raises InvalidRequestError (a ValueError) fit for a 400 response.
         `prompt` is text or token ids; with ids, `prompt_text` is the text they came from (for outputs)."""
         params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
         text, prompt_ids = self._tokenize(prompt)
         prompt_text = text if prompt_text is None else prompt_text
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        validate_request(prompt_ids, params, RequestLimits(self.model_config.vocab_size, self.max_model_len))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if not self.has_unfinished_requests():
             self.stats.work_arrived(time.perf_counter())  # the device's idle time until now was not the host's doing
