@@ -41,10 +41,10 @@ class Range:
 
     def describe(self) -> str:
         if self.high is None:
-            return f"must be {'>' if self.low_open else '>='} {_number(self.low)}"
+            return f"must be {'>' if self.low_open else '>='} {format_number(self.low)}"
         if self.low is None:
-            return f"must be <= {_number(self.high)}"
-        return f"must be in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}]"
+            return f"must be <= {format_number(self.high)}"
+        return f"must be in {'(' if self.low_open else '['}{format_number(self.low)}, {format_number(self.high)}]"
 
     def bounds(self) -> dict[str, float]:
         """The pydantic / JSON Schema keywords: ge or gt, le."""
@@ -115,7 +115,7 @@ class _Names(dict):
 def validate_request(prompt_token_ids: Sequence[int], params: "SamplingParams", limits: RequestLimits) -> None:
     """Raises InvalidRequestError for the first problem found: sampling ranges, token ids, then lengths."""
     validate_sampling_params(params)
-    _check_token_ids("logit_bias", (token for token, _ in params.logit_bias), limits.vocab_size, "keys are ")
+    _check_token_ids("logit_bias", (token for token, _ in params.logit_bias), limits.vocab_size)
     _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
     _check_prompt(prompt_token_ids, params, limits)
 
@@ -125,7 +125,7 @@ def validate_sampling_params(params: "SamplingParams") -> None:
     for name, allowed in SAMPLING_RANGES.items():
         value = getattr(params, name)
         if value is not None and not allowed.contains(value):
-            raise InvalidRequestError(f"{{{name}}} {allowed.describe()}, got {_number(value)}", name)
+            raise InvalidRequestError(f"{{{name}}} {allowed.describe()}, got {format_number(value)}", name)
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise InvalidRequestError(f"{{min_tokens}} ({params.min_tokens}) must not exceed {{max_tokens}} "
                                   f"({params.max_tokens})", "min_tokens")
@@ -139,11 +139,11 @@ def validate_sampling_params(params: "SamplingParams") -> None:
         raise InvalidRequestError(f"{{logit_bias}} values {LOGIT_BIAS_RANGE.describe()}", "logit_bias")
 
 
-def _check_token_ids(param: str, token_ids, vocab_size: int, what: str = "") -> None:
+def _check_token_ids(param: str, token_ids, vocab_size: int) -> None:
     bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
                None)
     if bad is not None:
-        raise InvalidRequestError(f"{{{param}}} {what}holds token id {bad}, outside the vocabulary "
+        raise InvalidRequestError(f"{{{param}}} holds token id {bad}, outside the vocabulary "
                                   f"[0, {vocab_size})", param)
 
 
@@ -160,7 +160,7 @@ def _check_prompt(prompt_token_ids: Sequence[int], params: "SamplingParams", lim
                                   f"max_model_len {limit}", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
 
 
-def _number(value: Any) -> str:
+def format_number(value: Any) -> str:
     """2.0 -> '2', 0.5 -> '0.5', 2**63 - 1 -> its digits."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return str(int(value))
