@@ -8,6 +8,8 @@ empty delta and the finish_reason (OpenAI's order). Logprobs use the chat shape 
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -31,7 +33,7 @@ async def create_chat_completion(request: Request) -> Response:
     check_model(server, body.model)
     prompt = await run_tokenizer(chat_prompt, server, body)
     view = ChatView(server, body, [prompt])
-    streams = await submit(server, view.id, [prompt], chat_params(body),
+    streams = await submit(server, view.id, [prompt], chat_params(body, server.sampling_defaults),
                            lambda i: {"prompt": "messages", "max_tokens": body.max_tokens_field})
     return await respond(request, view, streams)
 
@@ -59,9 +61,9 @@ def chat_prompt(server: ServerState, body: ChatCompletionRequest) -> Prompt:
     return Prompt(ids, "")
 
 
-def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     return sampling_params(body, max_tokens=body.max_new_tokens,
-                           logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None, defaults=defaults)
 
 
 class ChatView(ResponseView):

@@ -11,6 +11,8 @@ max_tokens 0 (only with echo, as lm-evaluation-harness scores a prompt): the eng
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -31,7 +33,7 @@ async def create_completion(request: Request) -> Response:
     check_model(server, body.model)
     prompts = await run_tokenizer(completion_prompts, server, body)
     view = CompletionView(server, body, prompts)
-    streams = await submit(server, view.id, prompts, completion_params(body),
+    streams = await submit(server, view.id, prompts, completion_params(body, server.sampling_defaults),
                            lambda i: {"prompt": prompt_param(body, i)})
     return await respond(request, view, streams)
 
@@ -64,10 +66,10 @@ def prompt_param(body: CompletionRequest, index: int) -> str:
     return f"prompt[{index}]" if body.is_batch else "prompt"
 
 
-def completion_params(body: CompletionRequest) -> SamplingParams:
+def completion_params(body: CompletionRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     scores_prompt = body.echo and body.logprobs is not None
     return sampling_params(body, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
-                           prompt_logprobs=body.logprobs if scores_prompt else None)
+                           prompt_logprobs=body.logprobs if scores_prompt else None, defaults=defaults)
 
 
 class CompletionView(ResponseView):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -51,10 +51,12 @@ async def run_tokenizer(function: Callable, *args, **kwargs):
 
 
 def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's parameters for a parsed request; they are validated where the engine takes the request."""
+                    prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """The engine's parameters for a parsed request; they are validated where the engine takes the request.
+    `defaults` (the model's generation_config.json: config.sampling_defaults) replace the built-in defaults of the
+    fields the request left unset."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    return SamplingParams(
+    values = dict(
         n=request.n, max_tokens=max_tokens, min_tokens=request.min_tokens, temperature=request.temperature,
         top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
@@ -63,6 +65,9 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs
         include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, logit_bias=request.logit_bias or {},
         skip_special_tokens=request.skip_special_tokens)
+    given = request.sampling_fields_set()
+    values.update({name: value for name, value in (defaults or {}).items() if name not in given})
+    return SamplingParams(**values)
 
 
 def _same_names(index: int) -> Mapping[str, str]:

@@ -170,6 +170,10 @@ class SamplingFields(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling_fields_set(self) -> set[str]:
+        """The SamplingParams fields this request gave a value (null counts as not given)."""
+        return set(self.model_fields_set)
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
@@ -207,6 +211,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+
+    def sampling_fields_set(self) -> set[str]:
+        given = set(self.model_fields_set)
+        return given | {"max_tokens"} if "max_completion_tokens" in given else given
 
     @property
     def max_tokens_field(self) -> str:
