@@ -1,9 +1,9 @@
 """The OpenAI request bodies jaxserve accepts (plus vLLM's common extensions) as pydantic v2 models: they validate a
-request (`parse_request`) and describe it in /openapi.json (`model_json_schema`). Numeric bounds come from
+request (`parse_request`) and describe it in /openapi.json (pydantic's JSON Schema). Numeric bounds come from
 jaxserve.validation's table, the one the engine checks against. Fields OpenAI defines that jaxserve cannot honour
 are accepted only at their neutral value (suffix, best_of != n, response_format other than text).
 
-Conventions, as before the models were pydantic's: unknown body fields are ignored; an explicit null means "not
+Conventions (those of the hand-written validator these models replaced): unknown body fields are ignored; an explicit null means "not
 given" (the field takes its default, and is not in `model_fields_set`); types are strict (no "5" for 5, no true for
 1) except that an integral number (2.0) is accepted as an integer, as JSON Schema counts it; errors are 400s whose
 `param` is the path of the field at fault ("messages[0].content", "logit_bias.abc").
