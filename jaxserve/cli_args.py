@@ -43,6 +43,11 @@ ENGINE_FLAG_HELP = {
     "seed": "seed of the per-request seeds given to requests that bring none",
     "tensor_parallel_size": "devices to shard the model over (tensor parallelism)",
     "data_parallel_size": "model replicas (data parallelism)",
+    "generation_config": "where the default sampling of requests that leave a field unset comes from, as vLLM's "
+                         "flag: auto (the default): the model's generation_config.json (its temperature, top_p, "
+                         "top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens); vllm: jaxserve's "
+                         "built-in defaults (temperature 1, top_p 1, ...); or a folder holding a "
+                         "generation_config.json",
 }
 
 

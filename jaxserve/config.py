@@ -206,6 +206,7 @@ class EngineConfig:
     coordinator_address: str | None = None  # multi-host: process 0's HOST:PORT, the same on every host
     num_processes: int | None = None  # multi-host: processes (hosts) in the run
     process_id: int | None = None  # multi-host: this process's rank, 0..num_processes-1 (0 serves and schedules)
+    generation_config: str = "auto"  # auto | vllm | a folder: where requests' default sampling comes from
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is not None:
@@ -218,6 +219,50 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+# generation_config.json key -> the SamplingParams field it gives a default to (as vLLM reads the file)
+GENERATION_CONFIG_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def sampling_defaults(model_dir: str | os.PathLike, generation_config: str = "auto") -> dict[str, Any]:
+    """SamplingParams field -> the default a request that leaves it unset gets, as vLLM's --generation-config:
+    "auto": from the model's generation_config.json (a converted checkpoint keeps a copy, and the same values in
+    jaxserve.json); "vllm": none, jaxserve's built-in defaults; another value: a folder with a
+    generation_config.json. Values the engine would refuse are a ConfigError now, not a 400 per request."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        values = _generation_config(Path(model_dir))
+    else:
+        path = Path(generation_config) / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            raise ConfigError(f"--generation-config {generation_config}: no {GENERATION_CONFIG_FILE} there; pass "
+                              f"auto (the model's), vllm (built-in defaults) or a folder that holds one")
+        values = json.loads(path.read_text())
+    defaults = {field: values[key] for key, field in GENERATION_CONFIG_DEFAULTS.items() if values.get(key) is not None}
+    _check_sampling_defaults(defaults, model_dir)
+    return defaults
+
+
+def _generation_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / GENERATION_CONFIG_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    meta = model_dir / "jaxserve.json"
+    return json.loads(meta.read_text()).get("generation") or {} if meta.is_file() else {}
+
+
+def _check_sampling_defaults(defaults: dict[str, Any], model_dir: str | os.PathLike) -> None:
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.validation import validate_sampling_params
+    try:
+        validate_sampling_params(SamplingParams(**defaults))
+    except ValueError as exc:
+        raise ConfigError(f"{model_dir}: generation_config.json's sampling defaults are unusable ({exc}); fix the "
+                          f"file or pass --generation-config vllm") from None
 
 
 def engine_config_fields() -> list[dataclasses.Field]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300
+from jaxserve.validation import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS  # noqa: F401 (the device arrays' widths)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request's continuation. Defaults follow vLLM; `validate()` names the bad field.
+    """How to sample one request's continuation. Defaults follow vLLM; the allowed ranges are
+    jaxserve.validation.SAMPLING_RANGES, checked by `validate_request` where a request enters the engine.
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters. `logprobs` is the
     number of top alternatives returned per sampled token (0: only the sampled token's own logprob; None: none).
@@ -48,36 +48,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raises ValueError naming the offending parameter."""
-        checks = [
-            ("n", self.n >= 1, "must be at least 1"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
-            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "must not exceed max_tokens"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or positive"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-             f"must be in [0, {MAX_TOP_LOGPROBS}]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
-             f"must be in [0, {MAX_TOP_LOGPROBS}]"),
-            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS, f"may hold at most {MAX_LOGIT_BIAS} entries"),
-            ("logit_bias", all(-100.0 <= v <= 100.0 for _, v in self.logit_bias), "values must be in [-100, 100]"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be a non-negative integer"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-        ]
-        if vocab_size is not None:
-            checks.append(("logit_bias", all(0 <= k < vocab_size for k, _ in self.logit_bias),
-                           f"token ids must be in [0, {vocab_size})"))
-            checks.append(("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
-                           f"token ids must be in [0, {vocab_size})"))
-        for name, ok, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}")

@@ -1,37 +1,167 @@
-"""Placeholder until the validation branch lands (see branch `requests`)."""
+"""Request validation, in one place: `validate_request(prompt_token_ids, params, limits)`. Pure Python, no jax.
+
+The engine client calls it before a request is queued; nothing downstream checks again. The ranges live in one
+table, `SAMPLING_RANGES`, from which the HTTP request models (jaxserve.server.protocol) take their bounds too, so
+/openapi.json, the 400s and the engine cannot disagree.
+
+Errors are InvalidRequestError (a ValueError): `param` names the offending SamplingParams field ("prompt" for the
+prompt), `str()` is a message fit for a 400, and `code` is "context_length_exceeded" for the length errors. A
+front end whose fields have other names rewrites them with `renamed()` (chat: "prompt" -> "messages").
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from jaxserve.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from jaxserve.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries
+MAX_STOP_STRINGS = 16
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the device; the vocabulary bound is checked per model
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
-class InvalidRequestError(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A closed or half-open numeric interval; None is an open end."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # (low, ...: low itself is refused
+
+    def contains(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return above and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"must be {'>' if self.low_open else '>='} {format_number(self.low)}"
+        if self.low is None:
+            return f"must be <= {format_number(self.high)}"
+        return f"must be in {'(' if self.low_open else '['}{format_number(self.low)}, {format_number(self.high)}]"
+
+    def bounds(self) -> dict[str, float]:
+        """The pydantic / JSON Schema keywords: ge or gt, le."""
+        out: dict[str, float] = {}
+        if self.low is not None:
+            out["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            out["le"] = self.high
+        return out
+
+
+# SamplingParams field -> its allowed values (None, where the field allows it, is always accepted).
+SAMPLING_RANGES: Mapping[str, Range] = {
+    "n": Range(1, 128),
+    "max_tokens": Range(1),
+    "min_tokens": Range(0),
+    "temperature": Range(0, 100),
+    "top_p": Range(0, 1, low_open=True),
+    "top_k": Range(-1),  # -1 and 0 disable it
+    "min_p": Range(0, 1),
+    "repetition_penalty": Range(0, 10, low_open=True),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "seed": Range(0, 2**63 - 1),
+    "logprobs": Range(0, MAX_TOP_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS),
+}
+LOGIT_BIAS_RANGE = Range(-100, 100)  # each bias value
+TOKEN_ID_RANGE = Range(0, MAX_TOKEN_ID)
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
+    """What a request is checked against besides the fixed ranges: the model's vocabulary and context length."""
+
     vocab_size: int
     max_model_len: int
 
 
-def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
-    try:
-        params.validate(limits.vocab_size)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc), str(exc).split()[0]) from None
-    if any(not 0 <= t < limits.vocab_size for t in prompt_token_ids):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt")
-    n, limit = len(prompt_token_ids), limits.max_model_len
-    if n < 1:
-        raise InvalidRequestError("prompt must contain at least one token", "prompt")
-    if n >= limit:
-        raise InvalidRequestError(f"prompt has {n} tokens; max_model_len {limit} leaves no room to generate", "prompt")
-    if params.max_tokens is not None and n + params.max_tokens > limit:
-        raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                                  f"{limit}", "max_tokens")
+class InvalidRequestError(ValueError):
+    """A request the engine refuses. `param`: the SamplingParams field at fault ("prompt" for the prompt), or None.
+
+    The message is kept as a template whose field names are `{placeholders}`, so `renamed()` can speak the
+    front end's names ("{prompt} has 300 tokens" -> "messages has 300 tokens").
+    """
+
+    def __init__(self, template: str, param: str | None = None, code: str | None = None,
+                 names: Mapping[str, str] | None = None):
+        self.template = template
+        self.param = param
+        self.code = code
+        self.names = dict(names or {})
+        super().__init__(template.format_map(_Names(self.names)))
+
+    def renamed(self, names: Mapping[str, str]) -> "InvalidRequestError":
+        """The same error in the request's own vocabulary: `names` maps a field to the request's name for it."""
+        return InvalidRequestError(self.template, names.get(self.param, self.param), self.code, names)
+
+    def __reduce__(self):  # crosses process boundaries (multi-host, replicas) with its fields
+        return InvalidRequestError, (self.template, self.param, self.code, self.names)
+
+
+class _Names(dict):
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+def validate_request(prompt_token_ids: Sequence[int], params: "SamplingParams", limits: RequestLimits) -> None:
+    """Raises InvalidRequestError for the first problem found: sampling ranges, token ids, then lengths."""
+    validate_sampling_params(params)
+    _check_token_ids("logit_bias", (token for token, _ in params.logit_bias), limits.vocab_size)
+    _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    _check_prompt(prompt_token_ids, params, limits)
+
+
+def validate_sampling_params(params: "SamplingParams") -> None:
+    """The checks that need no model: ranges and shapes of the sampling parameters alone."""
+    for name, allowed in SAMPLING_RANGES.items():
+        value = getattr(params, name)
+        if value is not None and not allowed.contains(value):
+            raise InvalidRequestError(f"{{{name}}} {allowed.describe()}, got {format_number(value)}", name)
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise InvalidRequestError(f"{{min_tokens}} ({params.min_tokens}) must not exceed {{max_tokens}} "
+                                  f"({params.max_tokens})", "min_tokens")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"{{stop}} may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    if not all(isinstance(s, str) and s for s in params.stop):
+        raise InvalidRequestError("{stop} must hold non-empty strings", "stop")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"{{logit_bias}} may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    if not all(LOGIT_BIAS_RANGE.contains(bias) for _, bias in params.logit_bias):
+        raise InvalidRequestError(f"{{logit_bias}} values {LOGIT_BIAS_RANGE.describe()}", "logit_bias")
+
+
+def _check_token_ids(param: str, token_ids, vocab_size: int) -> None:
+    bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
+               None)
+    if bad is not None:
+        raise InvalidRequestError(f"{{{param}}} holds token id {bad}, outside the vocabulary "
+                                  f"[0, {vocab_size})", param)
+
+
+def _check_prompt(prompt_token_ids: Sequence[int], params: "SamplingParams", limits: RequestLimits) -> None:
+    length, limit = len(prompt_token_ids), limits.max_model_len
+    if length == 0:
+        raise InvalidRequestError("{prompt} must contain at least one token", "prompt")
+    _check_token_ids("prompt", prompt_token_ids, limits.vocab_size)
+    if length >= limit:
+        raise InvalidRequestError(f"{{prompt}} has {length} tokens; max_model_len {limit} leaves no room to "
+                                  f"generate", "prompt", CONTEXT_LENGTH_EXCEEDED)
+    if params.max_tokens is not None and length + params.max_tokens > limit:
+        raise InvalidRequestError(f"{{prompt}} ({length} tokens) + {{max_tokens}} ({params.max_tokens}) exceeds "
+                                  f"max_model_len {limit}", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+
+
+def format_number(value: Any) -> str:
+    """2.0 -> '2', 0.5 -> '0.5', 2**63 - 1 -> its digits."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import cli
 from jaxserve.checkpoint import load_model, model_params_numpy, read_metadata
-from jaxserve.config import ModelConfig, model_config_from_hf
+from jaxserve.config import ModelConfig, model_config_from_hf, sampling_defaults
 from jaxserve.convert import ConvertError, convert
 from jaxserve.convert.converter import config_from_source, read_params
 from jaxserve.convert.hf_source import TensorReader, open_source
@@ -89,6 +89,16 @@ def test_jaxserve_json_holds_config_eos_ids_and_generation_defaults(tmp_path):
                                             "generation_config.json"}
     for name in meta["tokenizer_files"]:
         assert (out / name).read_bytes() == (hf / name).read_bytes()
+
+
+def test_converted_checkpoint_keeps_the_sampling_defaults(tmp_path):
+    """`serve --generation-config auto` finds generation_config.json's temperature/top_p in the checkpoint: the copied
+    file, or jaxserve.json's "generation" where the file is gone."""
+    hf = FIXTURES / "llama3.1" / "hf"
+    out = convert(hf, tmp_path / "out", progress=False)
+    assert sampling_defaults(out) == sampling_defaults(hf) == {"temperature": 0.6, "top_p": 0.9}
+    (out / "generation_config.json").unlink()
+    assert sampling_defaults(out) == {"temperature": 0.6, "top_p": 0.9}
 
 
 def test_sentencepiece_tokenizer_and_chat_template_file_are_copied(tmp_path):

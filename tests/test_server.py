@@ -16,9 +16,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxserve.config import sampling_defaults
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.state import ServerState
 from test_server_harness import SMALL_ENGINE, running_engine, serve_in_thread, server_state
 
 MODEL = "tiny-llama"
@@ -408,6 +411,23 @@ def test_bad_input_is_a_400_naming_the_parameter(server, path, body, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param, error
+
+
+def test_generation_config_sets_the_defaults_of_unset_fields(server, offline, model_dir, tmp_path):
+    """--generation-config FOLDER: a request without temperature/max_tokens gets the file's (greedy, 24 tokens: the
+    offline greedy run); one that sets them keeps its own (the seeded run)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 24}))
+    defaults = sampling_defaults(model_dir, str(tmp_path))
+    state = ServerState.build(server.engine, ServerConfig(served_model_name=(MODEL,)), str(model_dir), defaults)
+    with serve_in_thread(state) as live:
+        unset = httpx.post(f"{live.url}/v1/completions", json={"prompt": PROMPTS[0], "logprobs": 2}, timeout=60)
+        seeded = httpx.post(f"{live.url}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[0], "temperature": 1.0, "seed": 1234, "max_tokens": 16})
+    assert unset.json()["choices"][0]["text"] == offline["greedy"][0].outputs[0].text
+    assert seeded.json()["choices"][0]["text"] == offline["seeded"].outputs[0].text
+    assert LLM(model_dir, engine=offline["engine"]).get_default_sampling_params().temperature == 0.6
+    assert LLM(model_dir, engine=offline["engine"], generation_config="vllm").get_default_sampling_params() == \
+        SamplingParams()
 
 
 def test_unknown_fields_are_ignored_and_null_means_default(server):

@@ -23,8 +23,7 @@ from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats,
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.server.schema import parse_request
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from jaxserve.server.config import ServerConfig
 
 TOKENIZERS = Path(__file__).parent / "fixtures" / "tokenizers"

@@ -10,6 +10,7 @@ from pathlib import Path
 from jaxserve.cli_args import add_config_flags, config_from_args
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.validation import validate_sampling_params
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     params = config_from_args(SamplingParams, args)
     try:
-        params.validate()
+        validate_sampling_params(params)  # before loading the model; the prompts are checked when queued
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@ import itertools
 import os
 from typing import Iterator, Sequence as Seq
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, sampling_defaults
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.replicas import build_engine
 from jaxserve.outputs import OutputKind, RequestOutput
@@ -21,12 +21,18 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *,
                  engine: LLMEngine | None = None, show_progress: bool = True, **engine_options):
-        if engine is None:
-            if model is None:
-                raise ValueError("LLM needs a model directory")
-            engine = build_engine(model, EngineConfig(**engine_options), show_progress=show_progress)
-        self.engine = engine
+        if engine is None and model is None:
+            raise ValueError("LLM needs a model directory")
+        config = EngineConfig(**engine_options)
+        defaults = sampling_defaults(model, config.generation_config) if model is not None else {}
+        self._default_params = SamplingParams(**defaults)
+        self.engine = engine if engine is not None else build_engine(model, config, show_progress=show_progress)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the model's generation_config.json defaults
+        (with generation_config="auto"), else jaxserve's built-in ones, as vLLM's method of the same name."""
+        return self._default_params
 
     @property
     def tokenizer(self):
@@ -58,7 +64,7 @@ class LLM:
         request_ids = []
         for prompt, p in zip(prompts, params):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p or SamplingParams(), kind=kind)
+            self.engine.add_request(request_id, prompt, p or self._default_params, kind=kind)
             request_ids.append(request_id)
         return request_ids
 

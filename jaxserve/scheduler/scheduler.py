@@ -135,7 +135,7 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> list[Sequence]:
-        """Queues a request as params.n sequences. Raises ValueError if it cannot fit max_model_len."""
+        """Queues a validated request (jaxserve.validation) as params.n sequences."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
@@ -154,16 +154,10 @@ class Scheduler:
         return seqs
 
     def _max_len(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.config.max_model_len
-        if prompt_len < 1:
-            raise ValueError("prompt must contain at least one token")
-        if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len {limit} leaves no room to generate")
+        """The sequence's length limit. Requests were validated on entry (jaxserve.validation.validate_request):
+        1 <= prompt_len < max_model_len and prompt_len + max_tokens <= max_model_len."""
         if params.max_tokens is None:
-            return limit
-        if prompt_len + params.max_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len {limit}")
+            return self.config.max_model_len
         return prompt_len + params.max_tokens
 
     def _seed(self, params: SamplingParams, index: int) -> int:

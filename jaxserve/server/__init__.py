@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (Starlette on uvicorn). Thin: validate, tokenize, admit, stream.
 
     command.py     `jaxserve serve` flags and start-up          app.py        routes, error handlers, middleware
-    protocol.py    request models (validation + OpenAPI)       schema.py     the JSON-schema subset behind them
+    protocol.py    pydantic request/response models            (bounds: jaxserve.validation's ranges)
     completions.py /v1/completions                              chat.py       /v1/chat/completions
     generation.py  request -> engine streams (429/503/400)     responses.py  engine outputs -> JSON or SSE
     streaming.py   SSE framing, stream merging, disconnects    logprobs.py   the two OpenAI logprob shapes

@@ -27,8 +27,7 @@ from jaxserve.server.generation import check_model, read_json, run_tokenizer
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.middleware import Gatekeeper, RequestContext
 from jaxserve.server.openapi import openapi_document
-from jaxserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
-from jaxserve.server.schema import parse_request
+from jaxserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from jaxserve.server.state import ServerState, server_of
 
 log = logging.getLogger(__name__)

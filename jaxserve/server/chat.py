@@ -8,17 +8,18 @@ empty delta and the finish_reason (OpenAI's order). Logprobs use the chat shape 
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.errors import bad_request
-from jaxserve.server.generation import (Prompt, check_length, check_model, read_json, run_tokenizer,
-                                        sampling_params, submit)
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.generation import Prompt, check_model, read_json, run_tokenizer, sampling_params, submit
 from jaxserve.server.logprobs import chat_logprobs
-from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.protocol import ChatCompletionRequest, parse_request
 from jaxserve.server.responses import ResponseView, respond
-from jaxserve.server.schema import parse_request
 from jaxserve.server.state import ServerState, server_of
 from jaxserve.tokenizer import ChatTemplateError
 
@@ -31,18 +32,17 @@ async def create_chat_completion(request: Request) -> Response:
     check_chat_request(body)
     check_model(server, body.model)
     prompt = await run_tokenizer(chat_prompt, server, body)
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    check_length(server, prompt, body.max_new_tokens, prompt_param="messages", max_tokens_param=max_tokens_param)
-    params = sampling_params(server, body, max_tokens=body.max_new_tokens,
-                             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     view = ChatView(server, body, [prompt])
-    return await respond(request, view, await submit(server, view.id, [prompt], params, body.stream))
+    params = chat_params(body, server.sampling_defaults)
+    streams = await submit(server, view.id, [prompt], params, body.stream,
+                           lambda i: {"prompt": "messages", "max_tokens": body.max_tokens_field})
+    return await respond(request, view, streams)
 
 
 def check_chat_request(body: ChatCompletionRequest) -> None:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.response_format is not None and body.response_format.get("type") != "text":
+    if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("only response_format {\"type\": \"text\"} is supported", param="response_format")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options needs stream: true", param="stream_options")
@@ -53,7 +53,7 @@ def check_chat_request(body: ChatCompletionRequest) -> None:
 
 
 def chat_prompt(server: ServerState, body: ChatCompletionRequest) -> Prompt:
-    messages = [template_message(message) for message in body.messages]
+    messages = [message.template_input() for message in body.messages]
     try:
         ids = server.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                            tools=body.tools, **(body.chat_template_kwargs or {}))
@@ -62,13 +62,9 @@ def chat_prompt(server: ServerState, body: ChatCompletionRequest) -> Prompt:
     return Prompt(ids, "")
 
 
-def template_message(message: dict) -> dict:
-    content = message.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):  # text parts only: the schema refuses the others
-        content = "".join(part["text"] for part in content)
-    return {**message, "content": content}
+def chat_params(body: ChatCompletionRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    return sampling_params(body, max_tokens=body.max_new_tokens,
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None, defaults=defaults)
 
 
 class ChatView(ResponseView):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxserve.cli_args import add_config_flags, add_engine_flags, config_from_args, engine_config_from_args
-from jaxserve.config import ConfigError, env_str
+from jaxserve.config import ConfigError, env_str, sampling_defaults
 from jaxserve.server.config import ServerConfig
 
 DEFAULT_MODEL = "checkpoints/demo"
@@ -54,14 +54,16 @@ def run(args: argparse.Namespace) -> int:
         directory = model_dir(args)
         logging.basicConfig(level=config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        engine = start_engine(directory, engine_config_from_args(args), config)
+        engine_config = engine_config_from_args(args)
+        defaults = sampling_defaults(directory, engine_config.generation_config)
+        engine = start_engine(directory, engine_config, config)
     except (ConfigError, MemoryError, FileNotFoundError) as exc:
         print(f"jaxserve serve: error: {exc}", file=sys.stderr)
         return 1
     if engine is None:
         return 0  # a multi-host follower: it ran the leader's steps until the leader stopped
     try:
-        serve(engine, config, args.model or DEFAULT_MODEL)
+        serve(engine, config, args.model or DEFAULT_MODEL, defaults)
     finally:
         engine.stop()
     return 0
@@ -74,17 +76,20 @@ def start_engine(directory: Path, engine_config, config: ServerConfig):
     return start_async_engine(directory, engine_config, config.max_queued_requests)
 
 
-def serve(engine, config: ServerConfig, model_path: str) -> None:
+def serve(engine, config: ServerConfig, model_path: str, sampling_defaults: dict | None = None) -> None:
     import uvicorn
 
     from jaxserve.server.app import build_app
     from jaxserve.server.lifecycle import DrainingServer
     from jaxserve.server.state import ServerState
-    state = ServerState.build(engine, config, model_path)
+    state = ServerState.build(engine, config, model_path, sampling_defaults)
     uvicorn_config = uvicorn.Config(build_app(state), host=config.host, port=config.port,
                                     log_level=config.log_level, access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5)
     if not config.access_log:
         logging.getLogger("jaxserve.access").setLevel(logging.WARNING)
     log.info("serving %s as %s on http://%s:%d", model_path, state.model_name, config.host, config.port)
+    if state.sampling_defaults:
+        log.info("default sampling from generation_config.json: %s (--generation-config vllm ignores it)",
+                 state.sampling_defaults)
     DrainingServer(uvicorn_config, state.lifecycle, config.drain_timeout).run()

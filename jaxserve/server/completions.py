@@ -11,18 +11,18 @@ max_tokens 0 (only with echo, as lm-evaluation-harness scores a prompt): the eng
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import bad_request
-from jaxserve.server.generation import (Prompt, check_length, check_model, check_token_ids, read_json,
-                                        run_tokenizer, sampling_params, submit)
+from jaxserve.server.generation import Prompt, check_model, read_json, run_tokenizer, sampling_params, submit
 from jaxserve.server.logprobs import completion_logprobs
-from jaxserve.server.protocol import CompletionRequest
+from jaxserve.server.protocol import CompletionRequest, parse_request
 from jaxserve.server.responses import ResponseView, respond
-from jaxserve.server.schema import parse_request
 from jaxserve.server.state import ServerState, server_of
 
 
@@ -32,12 +32,10 @@ async def create_completion(request: Request) -> Response:
     check_completion_request(body)
     check_model(server, body.model)
     prompts = await run_tokenizer(completion_prompts, server, body)
-    params = completion_params(server, body)
-    for i, prompt in enumerate(prompts):
-        check_length(server, prompt, params.max_tokens, prompt_param=prompt_param(body, i),
-                     max_tokens_param="max_tokens")
     view = CompletionView(server, body, prompts)
-    return await respond(request, view, await submit(server, view.id, prompts, params, body.stream))
+    params = completion_params(body, server.sampling_defaults)
+    streams = await submit(server, view.id, prompts, params, body.stream, lambda i: {"prompt": prompt_param(body, i)})
+    return await respond(request, view, streams)
 
 
 def check_completion_request(body: CompletionRequest) -> None:
@@ -53,29 +51,25 @@ def check_completion_request(body: CompletionRequest) -> None:
 
 
 def completion_prompts(server: ServerState, body: CompletionRequest) -> list[Prompt]:
-    """Text prompts are encoded; token-id prompts are checked and decoded (for echo)."""
-    raw = body.prompt
-    items = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+    """Text prompts are encoded; token-id prompts are decoded (for echo). The engine checks the ids."""
+    items = body.prompt if body.is_batch else [body.prompt]
     prompts = []
-    for i, item in enumerate(items):
+    for item in items:
         if isinstance(item, str):
-            ids = server.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
-            prompts.append(Prompt(ids, item))
+            prompts.append(Prompt(server.tokenizer.encode(item, add_special_tokens=body.add_special_tokens), item))
         else:
-            check_token_ids(server, item, prompt_param(body, i))
             prompts.append(Prompt(list(item), server.tokenizer.decode(item, body.skip_special_tokens)))
     return prompts
 
 
 def prompt_param(body: CompletionRequest, index: int) -> str:
-    is_batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
-    return f"prompt[{index}]" if is_batch else "prompt"
+    return f"prompt[{index}]" if body.is_batch else "prompt"
 
 
-def completion_params(server: ServerState, body: CompletionRequest) -> SamplingParams:
+def completion_params(body: CompletionRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     scores_prompt = body.echo and body.logprobs is not None
-    return sampling_params(server, body, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
-                           prompt_logprobs=body.logprobs if scores_prompt else None)
+    return sampling_params(body, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
+                           prompt_logprobs=body.logprobs if scores_prompt else None, defaults=defaults)
 
 
 class CompletionView(ResponseView):

@@ -1,12 +1,12 @@
-"""From a validated request to engine streams, shared by completions and chat: the model check, tokenization (in
-a worker thread, off both the event loop and the engine thread), sampling parameters, the length check against
-max_model_len, and admission (429 / 503)."""
+"""From a parsed request to engine streams, shared by completions and chat: the model check, tokenization (in
+a worker thread, off both the event loop and the engine thread), sampling parameters, and admission: the engine's
+verdict on the request (400 naming the request's field: ranges, token ids, max_model_len), 429 or 503."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from jaxserve.server.errors import bad_request, service_unavailable, too_many_re
 from jaxserve.server.protocol import SamplingFields
 from jaxserve.server.state import ServerState
 from jaxserve.server.streaming import close_all
+from jaxserve.validation import InvalidRequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +51,13 @@ async def run_tokenizer(function: Callable, *args, **kwargs):
     return await run_in_threadpool(function, *args, **kwargs)
 
 
-def sampling_params(server: ServerState, request: SamplingFields, *, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """The engine's parameters for a parsed request; they are validated where the engine takes the request.
+    `defaults` (the model's generation_config.json: config.sampling_defaults) replace the built-in defaults of the
+    fields the request left unset."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    params = SamplingParams(
+    values = dict(
         n=request.n, max_tokens=max_tokens, min_tokens=request.min_tokens, temperature=request.temperature,
         top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
@@ -62,42 +66,31 @@ def sampling_params(server: ServerState, request: SamplingFields, *, max_tokens:
         include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, logit_bias=request.logit_bias or {},
         skip_special_tokens=request.skip_special_tokens)
-    try:
-        params.validate(server.vocab_size)
-    except ValueError as exc:
-        raise bad_request(str(exc), param=str(exc).split()[0]) from None
-    return params
+    given = request.sampling_fields_set()
+    values.update({name: value for name, value in (defaults or {}).items() if name not in given})
+    return SamplingParams(**values)
 
 
-def check_length(server: ServerState, prompt: Prompt, max_tokens: int | None, *, prompt_param: str,
-                 max_tokens_param: str) -> None:
-    """What the scheduler would refuse, refused here with the parameter named."""
-    limit, length = server.max_model_len, len(prompt.token_ids)
-    if length >= limit:
-        raise bad_request(f"{prompt_param} has {length} tokens; max_model_len {limit} leaves no room to generate",
-                          param=prompt_param, code="context_length_exceeded")
-    if max_tokens is not None and length + max_tokens > limit:
-        raise bad_request(f"{prompt_param} ({length} tokens) + {max_tokens_param} ({max_tokens}) exceeds "
-                          f"max_model_len {limit}", param=max_tokens_param, code="context_length_exceeded")
-
-
-def check_token_ids(server: ServerState, token_ids: Sequence[int], param: str) -> None:
-    bad = next((t for t in token_ids if t >= server.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"{param} holds token id {bad}, outside the vocabulary [0, {server.vocab_size})",
-                          param=param)
+def _same_names(index: int) -> Mapping[str, str]:
+    return {}
 
 
 async def submit(server: ServerState, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                 stream: bool) -> list[RequestStream]:
+                 stream: bool, field_names: Callable[[int], Mapping[str, str]] = _same_names
+                 ) -> list[RequestStream]:
     """One engine request per prompt, all accepted or none (those already accepted are aborted). A streamed
-    response gets deltas, any other only each request's final output."""
+    response gets deltas, any other only each request's final output. The engine client validates each
+    (jaxserve.validation); `field_names(i)` maps its field names to the request's own for prompt i
+    ("prompt" -> "messages"), so a 400 names the field the client sent."""
     kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt.token_ids, params,
-                                                           prompt_text=prompt.text, kind=kind))
+            try:
+                streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt.token_ids, params,
+                                                               prompt_text=prompt.text, kind=kind))
+            except InvalidRequestError as exc:
+                raise exc.renamed(field_names(i)) from None
     except BaseException as exc:
         close_all(streams)
         if isinstance(exc, Exception):
@@ -113,6 +106,8 @@ def _admission_error(server: ServerState, exc: Exception) -> Exception:
     if isinstance(exc, EngineDeadError):
         server.metrics.observe_rejected("engine_dead")
         return service_unavailable(f"the engine is not running: {exc}")
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return exc

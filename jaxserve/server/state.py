@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any, Mapping
 
 from starlette.requests import Request
 
@@ -24,12 +25,14 @@ class ServerState:
     lifecycle: Lifecycle
     token_text: TokenText
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # config.sampling_defaults
 
     @classmethod
-    def build(cls, engine: EngineClient, config: ServerConfig, model_dir: str) -> "ServerState":
+    def build(cls, engine: EngineClient, config: ServerConfig, model_dir: str,
+              sampling_defaults: Mapping[str, Any] | None = None) -> "ServerState":
         names = tuple(config.served_model_name or (str(model_dir),))
         return cls(engine, config, names, str(model_dir), ServerMetrics(engine, names[0]), Lifecycle(),
-                   TokenText(engine.info.tokenizer))
+                   TokenText(engine.info.tokenizer), sampling_defaults=dict(sampling_defaults or {}))
 
     @property
     def model_name(self) -> str:
