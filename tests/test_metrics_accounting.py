@@ -12,7 +12,7 @@ import pytest
 from fakes import FakeDevice
 from jaxserve.config import ModelConfig
 from jaxserve.engine.buckets import StepShape
-from jaxserve.engine.stats import SAMPLE_INTERVAL, EngineStats, StepClock, StepRecord, attention_work
+from jaxserve.engine.stats import SAMPLE_INTERVAL, EngineStats, StepClock, StepRecord, StepTotals, attention_work
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.observability import ceilings as ceilings_module
 from jaxserve.observability.bottleneck import BottleneckMonitor, classify, window_report
@@ -151,12 +151,12 @@ def test_window_report_fractions():
 
 
 def test_monitor_reads_only_the_window_of_every_replica():
-    engines = [types.SimpleNamespace(stats=EngineStats()) for _ in range(2)]
-    for i, engine in enumerate(engines):
-        engine.stats.record(record(0.0, 1.0 + i))
-        engine.stats.record(record(50.0, 51.0 + i))
-    monitor = BottleneckMonitor(engines, ModelCost.of(CFG, "float32", 1024), CEILINGS, window_seconds=10.0)
-    assert [r.done_at for r in monitor.recent_records(now=55.0)] == [51.0, 52.0]
+    """Replicas' engine threads submit their step records (frozen) to one monitor; a read keeps the window."""
+    monitor = BottleneckMonitor(ModelCost.of(CFG, "float32", 1024), CEILINGS, window_seconds=10.0)
+    for i in range(2):
+        stats = EngineStats()
+        monitor.submit([stats.record(record(0.0, 1.0 + i)), stats.record(record(50.0, 51.0 + i))])
+    assert sorted(r.done_at for r in monitor.recent_records(now=55.0)) == [51.0, 52.0]
     assert monitor.report(now=55.0).steps == 2 and monitor.report(now=100.0).verdict == "idle"
 
 
@@ -222,8 +222,9 @@ def test_server_metrics_read_every_data_parallel_replica():
     """The router's stats snapshot (what /metrics reads) adds up its replicas' counts; KV usage is their mean."""
     from jaxserve.engine.messages import SchedulerStats
     from jaxserve.engine.replicas import ReplicaRouter
-    snapshots = [SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, steps=3, prefix_cache_hits=2),
-                 SchedulerStats(num_running=2, kv_cache_usage=0.25, steps=4, device_busy_seconds=1.5)]
+    snapshots = [SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.5, prefix_cache_hits=2,
+                                totals=StepTotals(steps=3, tokens=10)),
+                 SchedulerStats(num_running=2, kv_cache_usage=0.25, totals=StepTotals(steps=4, device_seconds=1.5))]
     router = ReplicaRouter([types.SimpleNamespace(info=None, stats=lambda s=s: s) for s in snapshots])
-    assert router.stats() == SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.375, steps=7,
-                                            prefix_cache_hits=2, device_busy_seconds=1.5)
+    assert router.stats() == SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.375, prefix_cache_hits=2,
+                                            totals=StepTotals(steps=7, tokens=10, device_seconds=1.5))

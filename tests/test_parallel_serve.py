@@ -9,7 +9,6 @@ import asyncio
 import httpx
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.engine import EngineCore, LLMEngine
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.replicas import ReplicaRouter
@@ -43,7 +42,7 @@ def completions(url: str, prompts: list[str]) -> list[httpx.Response]:
 def test_router_serves_concurrent_clients_on_both_replicas(replicas, model_dir):
     offline = LLM(engine=LLMEngine.from_core(replicas[0])).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     steps_before = [r.stats.num_steps for r in replicas]
-    router = ReplicaRouter([AsyncEngine(r) for r in replicas], max_queued_requests=256).start()
+    router = ReplicaRouter.over(replicas, max_queued_requests=256).start()
     try:
         with serve_in_thread(server_state(router, model_dir)) as live:
             responses = completions(live.url, PROMPTS)
@@ -59,7 +58,7 @@ def test_router_serves_concurrent_clients_on_both_replicas(replicas, model_dir):
 
 
 def test_router_admission_limit_is_shared(replicas, model_dir):
-    router = ReplicaRouter([AsyncEngine(r) for r in replicas], max_queued_requests=0).start()
+    router = ReplicaRouter.over(replicas, max_queued_requests=0).start()
     try:
         with serve_in_thread(server_state(router, model_dir)) as live:
             response = completions(live.url, PROMPTS[:1])[0]

@@ -11,7 +11,7 @@ from typing import Iterator
 import uvicorn
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine, bottleneck_monitor
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
@@ -76,7 +76,7 @@ def serve_in_thread(state: ServerState) -> Iterator[LiveServer]:
 
 @contextlib.contextmanager
 def running_engine(engine: LLMEngine, max_queued_requests: int | None = 256) -> Iterator[AsyncEngine]:
-    async_engine = AsyncEngine(engine.core, max_queued_requests).start()
+    async_engine = AsyncEngine(engine.core, max_queued_requests, bottleneck_monitor(engine.core)).start()
     try:
         yield async_engine
     finally:

@@ -63,12 +63,24 @@ def engine_info(core: EngineCore) -> EngineInfo:
     return EngineInfo(core.tokenizer, core.model_config, core.max_model_len, core.config.compilation_cache_dir)
 
 
-class AsyncEngine:
-    """An EngineClient over one EngineCore. After start(), `core` belongs to the engine thread."""
+def bottleneck_monitor(core: EngineCore):
+    """The bottleneck monitor for a core's steps (replicas of one model can share it): its prices, and its
+    device's ceilings (measured once and cached with the compilation cache)."""
+    from jaxserve.config import default_compilation_cache_dir
+    from jaxserve.observability.bottleneck import monitor_for
+    return monitor_for(core, core.config.compilation_cache_dir or default_compilation_cache_dir())
 
-    def __init__(self, core: EngineCore, max_queued_requests: int | None = None):
-        self.core = core
+
+class AsyncEngine:
+    """An EngineClient over one EngineCore. After start() the core belongs to the engine thread: every other
+    thread sees only `info`, `stats()` (a frozen snapshot), the monitor (fed frozen step records through its
+    inbox) and the queues. `monitor`: the bottleneck monitor the step records go to (bottleneck_monitor(core);
+    replicas share one); without one there is no verdict to read."""
+
+    def __init__(self, core: EngineCore, max_queued_requests: int | None = None, monitor=None):
+        self._core = core
         self.info = engine_info(core)
+        self._monitor = monitor
         self.max_queued_requests = max_queued_requests
         self._commands: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -78,7 +90,6 @@ class AsyncEngine:
         self._stats = SchedulerStats()  # replaced (never changed) by the engine thread after each step
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # engine thread only: where each request's outputs go
         self._processors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> its OutputProcessor
-        self._monitor = None
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -98,10 +109,8 @@ class AsyncEngine:
 
     @property
     def monitor(self):
-        """The bottleneck monitor over this engine's step records (built on first use: it probes the device)."""
         if self._monitor is None:
-            from jaxserve.observability.bottleneck import monitor_for
-            self._monitor = monitor_for([self.core], self.info.compilation_cache_dir)
+            raise RuntimeError("this AsyncEngine was built without a bottleneck monitor (see bottleneck_monitor)")
         return self._monitor
 
     # ---- requests (event loop) ------------------------------------------------------------------------------
@@ -181,11 +190,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.core.has_unfinished_requests()
+                idle = not self._core.has_unfinished_requests()
                 if not self._drain_commands(block=idle):
                     break
-                step = self.core.step()
+                step = self._core.step()
                 self._stats = step.stats
+                if self._monitor is not None:
+                    self._monitor.submit(step.records)
                 self._deliver(step)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
             log.exception("engine loop failed")
@@ -218,14 +229,14 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                deltas = self.core.abort_request(command.request_id)
+                deltas = self._core.abort_request(command.request_id)
                 self._deliver(StepOutputs(deltas, self._stats, (command.request_id,), time.monotonic()))
-            elif self.core.finish_sample(command.request_id, command.index, command.stop):
+            elif self._core.finish_sample(command.request_id, command.index, command.stop):
                 self._loops.pop(command.request_id, None)
 
     def _add(self, command: _Add) -> None:
         try:
-            self.core.add_request(command.request)
+            self._core.add_request(command.request)
         except ValueError as exc:
             command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
             return

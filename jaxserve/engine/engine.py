@@ -32,7 +32,7 @@ from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory,
                                        place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
-from jaxserve.engine.stats import NullMeter, StepMeter
+from jaxserve.engine.stats import NullMeter, StepMeter, StepRecord
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
 from jaxserve.models.llama import Llama, numpy_dtype
@@ -203,11 +203,10 @@ class EngineCore:
         return self.scheduler.has_requests or self._in_flight is not None
 
     def stats_snapshot(self) -> SchedulerStats:
-        scheduler, totals = self.scheduler, self.meter.stats.totals
+        scheduler = self.scheduler
         prefix = scheduler.allocator.stats
         return SchedulerStats(len(scheduler.running), scheduler.num_waiting, scheduler.allocator.usage,
-                              scheduler.num_preemptions, prefix.queries, prefix.hits, totals.steps, totals.tokens,
-                              totals.sampled_tokens, totals.device_seconds, totals.host_gap_seconds)
+                              scheduler.num_preemptions, prefix.queries, prefix.hits, self.meter.stats.totals)
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> StepOutputs:
@@ -220,9 +219,9 @@ class EngineCore:
             previous, self._in_flight = self._in_flight, pending
         else:
             previous = pending
-        deltas, finished = self._finish_step(previous) if previous is not None else ((), ())
+        deltas, finished, record = self._finish_step(previous) if previous is not None else ((), (), None)
         return StepOutputs(self._scheduling_deltas(plan) + deltas, self.stats_snapshot(), finished,
-                           time.monotonic())
+                           time.monotonic(), (record,) if record is not None else ())
 
     def _dispatch(self, plan: StepPlan) -> PendingStep:
         for assignment in plan.new_slots:
@@ -245,7 +244,7 @@ class EngineCore:
         now = time.monotonic()
         return tuple(SampleDelta(a.request_id, a.index, scheduled_time=now) for a in plan.new_slots)
 
-    def _finish_step(self, pending: PendingStep) -> tuple[tuple[SampleDelta, ...], tuple[str, ...]]:
+    def _finish_step(self, pending: PendingStep) -> tuple[tuple[SampleDelta, ...], tuple[str, ...], StepRecord]:
         fetch = self.meter.fetch_started(pending)
         sampled = np.asarray(pending.sampled.tokens)
         self.meter.fetch_done(pending, fetch)
@@ -258,9 +257,9 @@ class EngineCore:
         deltas = tuple(_delta(row, updates.get((row.request_id, row.index)), prompt_chunks.get(i))
                        for i, row in enumerate(rows)
                        if (row.request_id, row.index) in updates or i in prompt_chunks)
-        self.meter.step_finished(pending)
+        record = self.meter.step_finished(pending)
         finished = {u.request_id for u in updates.values() if u.finished}
-        return deltas, tuple(rid for rid in finished if rid not in self.scheduler.requests)
+        return deltas, tuple(rid for rid in finished if rid not in self.scheduler.requests), record
 
 
 class LLMEngine:

@@ -2,7 +2,8 @@
 numbers, so a value made on the engine thread can be read on any other thread while the engine goes on.
 
     front end ── EngineRequest (validated) ────────────────────────────► engine core (scheduler, device)
-              ◄── StepOutputs: SampleDelta per sample with news, SchedulerStats, finished request ids ──
+              ◄── StepOutputs: SampleDelta per sample with news, SchedulerStats, finished request ids,
+                                 the StepRecords of the steps read back ──
 
 No jax here: the server imports these types.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.engine.stats import StepRecord, StepTotals
 from jaxserve.outputs import TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 
@@ -65,18 +67,15 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0
-    steps: int = 0
-    tokens: int = 0  # tokens the steps ran (prompt chunks and decodes)
-    generated_tokens: int = 0
-    device_busy_seconds: float = 0.0
-    device_idle_seconds: float = 0.0  # the device waited for the host while there was work
+    totals: StepTotals = StepTotals()  # steps, tokens, generated tokens, device busy and idle seconds
 
     @staticmethod
     def combine(replicas: "tuple[SchedulerStats, ...] | list[SchedulerStats]") -> "SchedulerStats":
         """Data-parallel replicas: counts add up; KV usage is the mean of the replicas'."""
-        fields = {f.name: sum(getattr(s, f.name) for s in replicas) for f in dataclasses.fields(SchedulerStats)}
-        fields["kv_cache_usage"] /= max(len(replicas), 1)
-        return SchedulerStats(**fields)
+        counts = ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+        return SchedulerStats(**{name: sum(getattr(s, name) for s in replicas) for name in counts},
+                              kv_cache_usage=sum(s.kv_cache_usage for s in replicas) / max(len(replicas), 1),
+                              totals=StepTotals.combine([s.totals for s in replicas]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,3 +84,4 @@ class StepOutputs:
     stats: SchedulerStats
     finished_requests: tuple[str, ...] = ()  # every sample of these has ended: the core forgot them
     time: float = 0.0  # time.monotonic when the step's results were read
+    records: tuple[StepRecord, ...] = ()  # the device steps whose results were read (for the bottleneck monitor)

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Sequence as Seq
 import jax
 
 from jaxserve.config import ConfigError, EngineConfig
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine, bottleneck_monitor
 from jaxserve.engine.client import EngineDeadError, QueueFullError
 from jaxserve.engine.engine import EngineCore, LLMEngine
 from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats, StepOutputs
@@ -117,7 +117,8 @@ class DataParallelCore:
             self._replica_of.pop(request_id, None)
         return StepOutputs(tuple(d for step in steps for d in step.deltas),
                            SchedulerStats.combine([r.stats_snapshot() for r in self.replicas]), finished,
-                           max((step.time for step in steps), default=0.0))
+                           max((step.time for step in steps), default=0.0),
+                           tuple(r for step in steps for r in step.records))
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -125,7 +126,8 @@ class DataParallelCore:
 
 
 class ReplicaRouter:
-    """An EngineClient over several AsyncEngines (`replicas`), one per data-parallel replica."""
+    """An EngineClient over several AsyncEngines (`replicas`), one per data-parallel replica; `over(cores)` builds
+    them around one shared bottleneck monitor."""
 
     def __init__(self, replicas: Seq[AsyncEngine], max_queued_requests: int | None = None):
         self.replicas = list(replicas)
@@ -133,7 +135,11 @@ class ReplicaRouter:
         self.max_queued_requests = max_queued_requests
         self._load = [0] * len(self.replicas)  # routed and not finished, per replica
         self._replica_of: dict[str, int] = {}
-        self._monitor = None
+
+    @classmethod
+    def over(cls, cores: Seq[EngineCore], max_queued_requests: int | None = None) -> "ReplicaRouter":
+        monitor = bottleneck_monitor(cores[0])
+        return cls([AsyncEngine(core, monitor=monitor) for core in cores], max_queued_requests)
 
     # ---- the EngineClient interface -------------------------------------------------------------------------
     @property
@@ -149,11 +155,8 @@ class ReplicaRouter:
 
     @property
     def monitor(self):
-        """One bottleneck monitor over every replica's step records."""
-        if self._monitor is None:
-            from jaxserve.observability.bottleneck import monitor_for
-            self._monitor = monitor_for([r.core for r in self.replicas], self.info.compilation_cache_dir)
-        return self._monitor
+        """The replicas' shared monitor (every replica's step records)."""
+        return self.replicas[0].monitor
 
     @property
     def loads(self) -> list[int]:
@@ -269,10 +272,9 @@ def start_async_engine(model_dir: str | os.PathLike, config: EngineConfig, max_q
         core = EngineCore.from_model_dir(model_dir, config, show_progress=show_progress)
         if follow_if_follower(core) is not None:
             return None
-        return LeaderAsyncEngine(core, max_queued_requests).start()
+        return LeaderAsyncEngine(core, max_queued_requests, bottleneck_monitor(core)).start()
     initialize(config.coordinator_address, config.num_processes, config.process_id)
-    replicas = [AsyncEngine(core) for core in build_replicas(model_dir, config, show_progress)]
-    return ReplicaRouter(replicas, max_queued_requests).start()
+    return ReplicaRouter.over(build_replicas(model_dir, config, show_progress), max_queued_requests).start()
 
 
 class LeaderAsyncEngine(AsyncEngine):
@@ -280,4 +282,4 @@ class LeaderAsyncEngine(AsyncEngine):
 
     def stop(self, timeout: float | None = 30.0) -> None:
         super().stop(timeout)
-        self.core.close()
+        self._core.close()

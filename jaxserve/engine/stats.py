@@ -74,9 +74,10 @@ class StepClock:
         return self.end if self.end is not None else self.seen_ready_at
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepTotals:
-    """Running sums since start-up (counters never go back, unlike the window of records)."""
+    """Running sums since start-up (counters never go back, unlike the window of records). A value: each step
+    makes a new one, so a snapshot handed to another thread never changes."""
 
     steps: int = 0
     tokens: int = 0
@@ -87,15 +88,16 @@ class StepTotals:
     device_seconds: float = 0.0
     host_gap_seconds: float = 0.0
 
-    def add(self, record: StepRecord) -> None:
-        self.steps += 1
-        self.tokens += record.num_tokens
-        self.seqs += record.num_seqs
-        self.sampled_tokens += record.sampled_tokens
-        self.context_tokens += record.context_tokens
-        self.attended_pairs += record.attended_pairs
-        self.device_seconds += record.device_seconds
-        self.host_gap_seconds += record.host_gap
+    def plus(self, record: StepRecord) -> "StepTotals":
+        return StepTotals(self.steps + 1, self.tokens + record.num_tokens, self.seqs + record.num_seqs,
+                          self.sampled_tokens + record.sampled_tokens, self.context_tokens + record.context_tokens,
+                          self.attended_pairs + record.attended_pairs, self.device_seconds + record.device_seconds,
+                          self.host_gap_seconds + record.host_gap)
+
+    @staticmethod
+    def combine(totals) -> "StepTotals":
+        """Several engines' totals (data-parallel replicas), added up."""
+        return StepTotals(*(sum(getattr(t, f.name) for t in totals) for f in dataclasses.fields(StepTotals)))
 
 
 SAMPLE_INTERVAL = 16  # of the steps dispatched to an idle device, the host waits at once for one in this many
@@ -128,7 +130,7 @@ class EngineStats:
             record, device_seconds=device,
             host_gap=max(0.0, dispatched - max(self.device_free_at, self.work_arrived_at)))
         self.device_free_at, self.device_free_exact = start + device, record.end_exact and start_exact
-        self.totals.add(record)
+        self.totals = self.totals.plus(record)
         self.steps.append(record)
         if len(self.steps) > self.window:
             self.steps.popleft()
@@ -194,7 +196,8 @@ class StepMeter:
         start, blocked = started
         self._clocks[pending.plan.step_id].fetched(start, time.perf_counter(), blocked)
 
-    def step_finished(self, pending) -> None:
+    def step_finished(self, pending) -> StepRecord:
+        """Records the step whose results were just read; returns its (frozen) record."""
         clock = self._clocks.pop(pending.plan.step_id)
         rows, window = pending.plan.seqs, self._sliding_window
         sampled = context = pairs = 0
@@ -205,7 +208,7 @@ class StepMeter:
                 pairs += row.context_len if window is None else min(row.context_len, window)
             else:
                 pairs += attention_work(row.context_len, row.num_new_tokens, window)
-        self.stats.record(StepRecord(
+        return self.stats.record(StepRecord(
             pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at, time.perf_counter(), clock.waited,
             sampled_tokens=sampled, context_tokens=context, attended_pairs=pairs,
             dispatch_started=clock.dispatch_started, ready_at=clock.ready_at, end_exact=clock.end is not None,
@@ -237,4 +240,4 @@ class NullMeter:
         pass
 
     def step_finished(self, pending) -> None:
-        pass
+        return None

@@ -27,7 +27,10 @@ says how much the implementation leaves on the table.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import queue
+import threading
 import time
 from typing import Sequence
 
@@ -93,31 +96,44 @@ def window_report(records: Sequence, cost: ModelCost, ceilings: DeviceCeilings) 
 
 
 class BottleneckMonitor:
-    """Reads the engines' step records (written by their threads) when asked; holds no state of its own but the
-    prices and ceilings, so nothing samples on a timer."""
+    """The verdict over the step records that engine threads hand it (`submit`, frozen StepRecords through a
+    thread-safe inbox); the reader's side (a scrape, the dashboard) drains the inbox into a window of its own when
+    it asks. Nothing samples on a timer and nothing here is shared with an engine thread but the inbox."""
 
-    def __init__(self, engines: Sequence, cost: ModelCost, ceilings: DeviceCeilings,
-                 window_seconds: float = WINDOW_SECONDS):
-        self.engines = list(engines)
+    MAX_RECORDS = 1 << 16  # the window's cap, whatever its length in seconds
+
+    def __init__(self, cost: ModelCost, ceilings: DeviceCeilings, window_seconds: float = WINDOW_SECONDS):
         self.cost = cost
         self.ceilings = ceilings
         self.window_seconds = window_seconds
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._window: collections.deque = collections.deque(maxlen=self.MAX_RECORDS)
+        self._lock = threading.Lock()  # readers (scrape and dashboard) may come from several threads
+
+    def submit(self, records: Sequence) -> None:
+        """Called by an engine thread with the records of the steps it just read back."""
+        if records:
+            self._inbox.put(tuple(records))
 
     def recent_records(self, now: float | None = None) -> list:
         now = time.perf_counter() if now is None else now
         since = now - self.window_seconds
-        records = []
-        for engine in self.engines:
-            snapshot = tuple(engine.stats.steps)  # one C-level copy under the GIL: never a torn deque
-            records.extend(r for r in snapshot if r.done_at >= since)
-        return records
+        with self._lock:
+            while True:
+                try:
+                    self._window.extend(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            while self._window and self._window[0].done_at < since:
+                self._window.popleft()
+            return [r for r in self._window if r.done_at >= since]
 
     def report(self, now: float | None = None) -> WindowReport:
         return window_report(self.recent_records(now), self.cost, self.ceilings)
 
-    def total_work(self) -> Work:
-        works = [self.cost.of_totals(engine.stats.totals) for engine in self.engines]
-        return Work(*(sum(getattr(w, f.name) for w in works) for f in dataclasses.fields(Work)))
+    def total_work(self, totals) -> Work:
+        """The work of running totals (jaxserve.engine.stats.StepTotals, from the engine's stats snapshot)."""
+        return self.cost.of_totals(totals)
 
 
 def model_cost(engine) -> ModelCost:
@@ -127,10 +143,9 @@ def model_cost(engine) -> ModelCost:
     return ModelCost.of(engine.model_config, dtype, kv, engine.sharder.mesh.devices.size)
 
 
-def monitor_for(engines: Sequence, cache_dir: str | None, window_seconds: float = WINDOW_SECONDS
-                ) -> BottleneckMonitor:
-    """A monitor of these engines (replicas of one model), with the ceilings of their first device."""
-    engine = engines[0]
+def monitor_for(engine, cache_dir: str | None, window_seconds: float = WINDOW_SECONDS) -> BottleneckMonitor:
+    """A monitor for an engine core (or for every replica of one model), with the ceilings of its first device.
+    Built before the engine's thread starts: it reads only what the core fixed at start-up."""
     device = engine.sharder.mesh.devices.flat[0]
     dtype = jnp.dtype(engine.runner.params["embed"][...].dtype).name
-    return BottleneckMonitor(engines, model_cost(engine), device_ceilings(device, dtype, cache_dir), window_seconds)
+    return BottleneckMonitor(model_cost(engine), device_ceilings(device, dtype, cache_dir), window_seconds)

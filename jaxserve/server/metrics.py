@@ -149,7 +149,8 @@ class ServerMetrics:
         return {
             "time": time.time(),
             "model": self.model_name,
-            "totals": {"steps": stats.steps, "tokens": stats.tokens, "generated_tokens": stats.generated_tokens},
+            "totals": {"steps": stats.totals.steps, "tokens": stats.totals.tokens,
+                       "generated_tokens": stats.totals.sampled_tokens},
             "latency_window_seconds": LATENCY_WINDOW_SECONDS,
             "finished_requests": len(recent),
             "ttft": percentiles([t.ttft for t in recent]),
@@ -216,12 +217,13 @@ class EngineStateCollector:
         yield from self._bottleneck(labels)
 
     def _step_counters(self, stats, labels):
-        yield _counter("jaxserve:engine_steps", "Model steps run.", stats.steps, labels)
+        totals = stats.totals
+        yield _counter("jaxserve:engine_steps", "Model steps run.", totals.steps, labels)
         yield _counter("jaxserve:device_busy_seconds", "Device time of the steps (docs/metrics.md).",
-                       stats.device_busy_seconds, labels)
+                       totals.device_seconds, labels)
         yield _counter("jaxserve:device_idle_seconds", "Time the device sat idle waiting for the host while the "
-                       "engine had work.", stats.device_idle_seconds, labels)
-        work = self.monitor.total_work()
+                       "engine had work.", totals.host_gap_seconds, labels)
+        work = self.monitor.total_work(totals)
         moved = CounterMetricFamily("jaxserve:step_bytes", "Bytes the steps had to move (the floor: weights once "
                                     "per step, KV read and written).", labels=["model_name", "kind"])
         for kind, value in (("weights", work.weight_bytes), ("kv_read", work.kv_read_bytes),
