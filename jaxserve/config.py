@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -220,10 +219,6 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def engine_config_fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(EngineConfig))
-
-
 def env_str(name: str, default: str | None = None) -> str | None:
     """The one place jaxserve reads environment variables."""
     return os.environ.get(name, default)
@@ -232,7 +227,3 @@ def env_str(name: str, default: str | None = None) -> str | None:
 def default_compilation_cache_dir() -> str:
     return env_str("JAXSERVE_CACHE_DIR") or os.path.join(
         env_str("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxserve", "xla")
-
-
-def round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
