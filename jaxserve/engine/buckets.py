@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from jaxserve.config import ConfigError
+from jaxserve.config import ConfigError, EngineConfig
 
 
 class BucketError(RuntimeError):
@@ -123,6 +123,19 @@ class BucketTable:
                               f"(largest: {self.prefill_sizes[-1]})")
         t, s = fitting[0]
         return StepShape("prefill", t, s, _fit(self.page_sizes, max_pages, "pages per sequence"))
+
+
+def engine_buckets(config: EngineConfig, max_model_len: int, attention_impl: str) -> BucketTable:
+    """The engine's table from its config, checked to cover every plan the scheduler can make."""
+    max_pages = -(-max_model_len // config.page_size)
+    context = config.context_buckets and tuple(-(-t // config.page_size) for t in config.context_buckets)
+    if attention_impl == "pallas" and not context:
+        context = (max_pages,)  # the kernels read only the pages a sequence has
+    table = BucketTable.build(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
+                              decode_sizes=config.decode_buckets, token_sizes=config.prefill_token_buckets,
+                              seq_sizes=config.prefill_seq_buckets, context_pages=context)
+    table.check_covers(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.page_size)
+    return table
 
 
 def _missing(flag: str, ladder, what: str, limit: str, add: int) -> str:

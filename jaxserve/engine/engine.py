@@ -13,19 +13,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterable, Sequence as Seq
+from typing import Callable, Iterable, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.buckets import BucketTable
+from jaxserve.engine.buckets import BucketTable, engine_buckets
 from jaxserve.engine.memory import KVPlan, plan_kv_cache, transient_bytes, wanted_pages
 from jaxserve.engine.multihost import leader_mirror
 from jaxserve.engine.output import RequestState
-from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory, kv_cache_shardings, model_sharder,
-                                       place_model)
+from jaxserve.engine.placement import (abstract_on_mesh, create_on_mesh, engine_mesh, free_memory, kv_cache_shardings,
+                                       model_sharder, place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import EngineStats, StepClock, StepRecord, attention_work
@@ -84,26 +84,25 @@ class LLMEngine:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
         self.attention_impl = resolve_attention(config.attention, self.kv_dtype)
         self.matmul_impl = resolve_matmul(config.matmul)  # used by quantized weights only
+        self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
-        self.buckets = self._buckets()
         options = ({"xla_backend_optimization_level": config.xla_optimization_level}
                    if config.xla_optimization_level is not None else None)
         started = time.perf_counter()
-        self.runner = ModelRunner(model, self._abstract_cache(wanted_pages(config, self.max_model_len)), slots,
-                                  self.buckets, self.attention_impl, options, self.matmul_impl, self.sharder)
+        largest = self._cache(abstract_on_mesh, wanted_pages(config, self.max_model_len))  # measured against
+        self.runner = ModelRunner(model, largest, slots, self.buckets, self.attention_impl, options,
+                                  self.matmul_impl, self.sharder)
         self.runner.mirror = leader_mirror()
         self.kv_plan = self._plan_kv(free, self.runner.measure_transients(self.buckets.largest_shapes()))
-        self.runner.set_cache(self._abstract_cache(self.kv_plan.num_pages))
+        self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages))
         self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         self.compile_seconds = time.perf_counter() - started
         self.temporaries = transient_bytes(self.runner.executables)  # every shape's, now that all are compiled
-        self.runner.set_cache(create_on_mesh(lambda: KVCache.zeros(
-            model.cfg.num_layers, model.cfg.num_kv_heads, self.kv_plan.num_pages, config.page_size,
-            model.cfg.head_dim, self.kv_dtype), lambda a: kv_cache_shardings(a, self.sharder)))
+        self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         self.eos_token_ids = tuple(eos)
@@ -164,13 +163,12 @@ class LLMEngine:
         return plan_kv_cache(self.model_config, self.config, self.max_model_len, self.kv_dtype, free, temporaries,
                              kv_shards=self.sharder.shards("kv_heads"))
 
-    def _abstract_cache(self, num_pages: int) -> KVCache:
-        """The cache's shapes, dtypes and shardings, to compile against before it is allocated."""
+    def _cache(self, on_mesh: Callable, num_pages: int) -> KVCache:
+        """The cache of `num_pages` pages on the mesh: allocated (create_on_mesh) or abstract (abstract_on_mesh, to
+        compile against before it exists)."""
         cfg = self.model_config
-        shapes = jax.eval_shape(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages,
-                                                      self.config.page_size, cfg.head_dim, self.kv_dtype))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                            kv_cache_shardings(shapes, self.sharder))
+        return on_mesh(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, self.config.page_size,
+                                             cfg.head_dim, self.kv_dtype), lambda a: kv_cache_shardings(a, self.sharder))
 
     def close(self) -> None:
         """Ends a multi-host run: the followers stop after the steps already published (no-op otherwise)."""
@@ -179,16 +177,7 @@ class LLMEngine:
             self.runner.mirror = None
 
     def _buckets(self) -> BucketTable:
-        c = self.config
-        max_pages = -(-self.max_model_len // c.page_size)
-        context = c.context_buckets and tuple(-(-t // c.page_size) for t in c.context_buckets)
-        if self.attention_impl == "pallas" and not context:
-            context = (max_pages,)  # the kernels read only the pages a sequence has
-        table = BucketTable.build(c.max_num_seqs, c.max_num_batched_tokens, max_pages,
-                                  decode_sizes=c.decode_buckets, token_sizes=c.prefill_token_buckets,
-                                  seq_sizes=c.prefill_seq_buckets, context_pages=context)
-        table.check_covers(c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, c.page_size)
-        return table
+        return engine_buckets(self.config, self.max_model_len, self.attention_impl)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
