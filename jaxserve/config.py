@@ -185,7 +185,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     page_size: int = 16
-    kv_cache_memory: float | None = None  # bytes for the KV cache; default: kv_cache_fraction of free memory
+    kv_cache_memory: float | None = None  # bytes for the KV cache itself (must fit beside the step temporaries)
     kv_cache_fraction: float = 0.9
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | int8 | fp8
     dtype: str = "auto"  # activation/weight dtype at run time: auto | bfloat16 | float32

@@ -109,7 +109,7 @@ class BucketTable:
             if not any(bt >= t and bs >= s for bt, bs in self.prefill_sizes):
                 seqs = tuple(sorted({bs for _, bs in self.prefill_sizes}))
                 raise ConfigError(_missing("--prefill-seq-buckets", seqs, f"a step of {t} tokens from {s} sequences",
-                                           f"max_num_seqs {max_num_seqs}", s)
+                                           f"max_num_seqs {max_num_seqs}", min(max_num_seqs, max_num_batched_tokens))
                                   + " (each S pairs with the token buckets T >= S)")
 
     def decode_shape(self, num_seqs: int, max_pages: int) -> StepShape:

@@ -168,7 +168,8 @@ class LLMEngine:
         compile against before it exists)."""
         cfg = self.model_config
         return on_mesh(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, self.config.page_size,
-                                             cfg.head_dim, self.kv_dtype), lambda a: kv_cache_shardings(a, self.sharder))
+                                             cfg.head_dim, self.kv_dtype),
+                       lambda a: kv_cache_shardings(a, self.sharder))
 
     def close(self) -> None:
         """Ends a multi-host run: the followers stop after the steps already published (no-op otherwise)."""
