@@ -134,7 +134,7 @@ class ModelRunner:
 
         model[StepShape]   (params, kv, token buffer, inputs) -> (kv, logits, hidden...)
         sample[S]          (logits, slots, inputs) -> (slots, sampled tokens)
-        prompt_lp[T]       (params, hidden, token buffer, ...) -> prompt logprobs   (every step's token count T)
+        prompt_lp[T]       (params, hidden, token buffer, ...) -> prompt logprobs   (prefill token counts only)
     """
 
     def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, attention_impl: str,
@@ -184,7 +184,7 @@ class ModelRunner:
         of them needs (jaxserve.engine.memory.transient_bytes)."""
         self.compile_shapes(shapes)
         compiled = [self.model_executables[s] for s in shapes] + [self.sample_executables[s.seqs] for s in shapes]
-        compiled += [self.prompt_lp_executables[s.tokens] for s in shapes]
+        compiled += [self.prompt_lp_executables[s.tokens] for s in shapes if s.kind == "prefill"]
         return transient_bytes(compiled)
 
     def compile_shapes(self, shapes: list[StepShape], progress: Callable | None = None,
@@ -194,9 +194,9 @@ class ModelRunner:
                     if shape not in self.model_executables]
             jobs += [(self.sample_executables, s, self._lower_sample(s)) for s in sorted({x.seqs for x in shapes})
                      if s not in self.sample_executables]
-            # every family: a decode-shaped step can score a prompt (a one-token prompt asking for prompt logprobs)
             jobs += [(self.prompt_lp_executables, t, self._lower_prompt_lp(t))
-                     for t in sorted({x.tokens for x in shapes}) if t not in self.prompt_lp_executables]
+                     for t in sorted({x.tokens for x in shapes if x.kind == "prefill"})
+                     if t not in self.prompt_lp_executables]
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             futures = {pool.submit(lowered.compile, self.compiler_options): (table, key)
                        for table, key, lowered in jobs}
@@ -239,7 +239,7 @@ class ModelRunner:
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         max_pages = max(len(row.pages) for row in plan.seqs)
-        if plan.is_decode:
+        if plan.is_decode and not any(row.prompt_logprobs for row in plan.seqs):  # prompt scoring: prefill only
             return self.buckets.decode_shape(len(plan.seqs), max_pages)
         return self.buckets.prefill_shape(plan.num_tokens, len(plan.seqs), max_pages)
 
