@@ -344,7 +344,8 @@ def report(e: Estimate) -> str:
             ("KV cache", m.kv_cache, f"{m.kv_tokens:,} tokens in {m.plan.num_pages - 1:,} pages of "
              f"{m.plan.page_size}" if m.plan else "none"),
             ("left unused", max(0, m.reserve - m.temporaries - (m.plan.margin if m.plan else 0)),
-             f"{1 - e.engine.kv_cache_fraction:.0%} of free (--kv-cache-fraction)"),
+             f"what --kv-cache-fraction keeps back ({1 - e.engine.kv_cache_fraction:.0%} of free) or the cache "
+             "at max_num_seqs full sequences does not need"),
             ("outside the XLA pool", m.device - m.pool, "CUDA context, other processes")]
     lines += [f"  {name:<44}{value / GiB:>8.2f}   {note}".rstrip() for name, value, note in rows]
     lines += ["", f"KV cache: {_size(m.kv_bytes_per_token)} per token per device (2 x {cfg.num_layers} layers x "
