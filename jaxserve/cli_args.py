@@ -28,7 +28,10 @@ ENGINE_FLAG_HELP = {
     "max_num_seqs": "most sequences in one step's batch",
     "max_num_batched_tokens": "token budget of one step (prompt chunks and decode tokens together)",
     "page_size": "tokens per KV-cache page",
-    "kv_cache_fraction": "fraction of free device memory for the KV cache, when --kv-cache-memory is not given",
+    "kv_cache_fraction": "fraction of the device memory free after the weights for the KV cache and the step "
+                         "executables' measured temporaries, when --kv-cache-memory is not given",
+    "kv_cache_memory": "bytes for the KV cache itself (default: what --kv-cache-fraction leaves after the "
+                       "step temporaries)",
     "enable_prefix_caching": "reuse the KV pages of prompt prefixes seen before",
     "decode_buckets": "decode batch-size ladder (default: powers of two up to --max-num-seqs)",
     "prefill_token_buckets": "prefill token-count ladder (default: powers of four from 16 up to "

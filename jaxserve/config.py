@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -186,7 +185,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     page_size: int = 16
-    kv_cache_memory: float | None = None  # bytes for the KV cache; default: kv_cache_fraction of free memory
+    kv_cache_memory: float | None = None  # bytes for the KV cache itself (must fit beside the step temporaries)
     kv_cache_fraction: float = 0.9
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | int8 | fp8
     dtype: str = "auto"  # activation/weight dtype at run time: auto | bfloat16 | float32
@@ -265,10 +264,6 @@ def _check_sampling_defaults(defaults: dict[str, Any], model_dir: str | os.PathL
                           f"file or pass --generation-config vllm") from None
 
 
-def engine_config_fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(EngineConfig))
-
-
 def env_str(name: str, default: str | None = None) -> str | None:
     """The one place jaxserve reads environment variables."""
     return os.environ.get(name, default)
@@ -277,7 +272,3 @@ def env_str(name: str, default: str | None = None) -> str | None:
 def default_compilation_cache_dir() -> str:
     return env_str("JAXSERVE_CACHE_DIR") or os.path.join(
         env_str("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxserve", "xla")
-
-
-def round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)

@@ -7,9 +7,10 @@
 Memory follows what the engine does at start-up (jaxserve.engine.memory.plan_kv_cache, the same function):
 
     device memory x XLA pool fraction (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default)   = the pool
-    pool - weights                                                                         = free
-    free x kv_cache_fraction (0.9), or --kv-cache-memory, in whole pages                   = the KV cache
-    the rest of free: activations and workspace of the largest step, slot state           = the reserve
+    pool - weights - slot state (token history, sampling state)                            = free
+    the largest step's temporaries: --measure compiles the engine's largest step shapes on
+        this machine from abstract weights (the engine's own measurement), else estimated  = temporaries
+    free x kv_cache_fraction (0.9) - temporaries - margin, or --kv-cache-memory, in pages  = the KV cache
 
 Speed floors are rooflines on the GPU's datasheet figures (jaxserve.observability.gpus): a decode step reads every
 weight once plus each sequence's KV; a prefill token costs 2 FLOPs per matmul parameter plus attention.
@@ -29,14 +30,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig, env_str, model_config_from_hf
-from jaxserve.engine.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
-from jaxserve.kv.cache import CACHE_AXES
+from jaxserve.engine.buckets import engine_buckets
+from jaxserve.engine.memory import KVPlan, plan_kv_cache, wanted_pages
+from jaxserve.engine.placement import abstract_on_mesh, engine_mesh, kv_cache_shardings, model_sharder
+from jaxserve.engine.sampler import SlotState
+from jaxserve.kv.cache import CACHE_AXES, KVCache
 from jaxserve.models.llama import abstract_model, numpy_dtype
 from jaxserve.observability.cost import ModelCost
 from jaxserve.observability.gpus import GPUS, GiB, GpuSpec
 from jaxserve.parallel.sharding import DATA, MODEL, divisible_rules
 from jaxserve.quant import kv as kv_quant
 from jaxserve.quant import schemes
+from jaxserve.quant.memory import kv_bytes_per_token
 
 DEFAULT_POOL_FRACTION = 0.75  # XLA's default GPU preallocation: 75% of the device's memory (JAX docs, GPU memory
 # allocation: "preallocate 75% of the total GPU memory"; XLA_PYTHON_CLIENT_MEM_FRACTION overrides it)
@@ -50,11 +55,13 @@ class MemoryEstimate:
     device: int
     pool: int
     weights: int
-    free: int
+    slots: int  # the slot state: token history and sampling state of max_num_seqs + 1 slots
+    free: int  # pool - weights - slots
+    temporaries: int  # the largest step executable's transient bytes (measured, or estimated)
+    temporaries_measured: bool  # compiled on this machine (--measure), or the analytic estimate
     kv_cache: int  # the plan's pages x bytes per page (0 when not even one sequence fits)
     kv_bytes_per_token: int  # per device (a tensor-parallel device holds its share of the KV heads)
-    reserve: int  # free - kv_cache: what the largest step's activations, the slot state and XLA workspace use
-    activations: int  # estimate of the largest step's activations and the slot state
+    reserve: int  # free - kv_cache: temporaries, margin and what kv_cache_fraction leaves unused
     plan: KVPlan | None
     error: str | None  # why nothing fits
 
@@ -121,9 +128,11 @@ class Estimate:
             "params": self.params, "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
             "max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size,
             "gpu": self.gpu.name if self.gpu else None,
-            "memory_per_device": {"device": m.device, "pool": m.pool, "weights": m.weights, "free": m.free,
-                                  "kv_budget": m.kv_budget, "kv_cache": m.kv_cache, "reserve": m.reserve,
-                                  "activations_estimate": m.activations},
+            "memory_per_device": {"device": m.device, "pool": m.pool, "weights": m.weights, "slots": m.slots,
+                                  "free": m.free, "temporaries": m.temporaries,
+                                  "temporaries_measured": m.temporaries_measured,
+                                  "margin": m.plan.margin if m.plan else 0, "kv_budget": m.kv_budget,
+                                  "kv_cache": m.kv_cache, "reserve": m.reserve},
             "kv_bytes_per_token": m.kv_bytes_per_token, "kv_pages": m.plan.num_pages if m.plan else 0,
             "kv_tokens": m.kv_tokens, "budget_tokens": m.budget_tokens,
             "concurrent_sequences": self.concurrent_sequences, "rule_of_thumb_bytes": self.rule_of_thumb,
@@ -134,36 +143,85 @@ class Estimate:
 # ---- the arithmetic ---------------------------------------------------------------------------------------------
 def estimate(cfg: ModelConfig, engine: EngineConfig = EngineConfig(), *, memory_bytes: int,
              gpu: GpuSpec | None = None, weight_dtype: str | None = None,
-             pool_fraction: float = DEFAULT_POOL_FRACTION) -> Estimate:
+             pool_fraction: float = DEFAULT_POOL_FRACTION, measure: bool = False,
+             temporaries: int | None = None) -> Estimate:
     """The estimate for `cfg` (quantization as cfg says) on a device of `memory_bytes`, of which XLA's allocator
-    gets `pool_fraction`."""
+    gets `pool_fraction`. `measure`: compile the largest step shapes on this machine's backend (as the engine
+    does before sizing its cache) instead of estimating their temporaries; `temporaries`: a figure measured
+    before (measure_temporaries) for this model and engine config."""
     dtype = weight_dtype or cfg.dtype
     max_len = engine.resolved_max_model_len(cfg)
     tp = engine.tensor_parallel_size
     kv_dtype = jnp.dtype(kv_quant.kv_storage_dtype(engine.kv_cache_dtype, dtype))
-    scale = kv_quant.SCALE_BYTES if kv_quant.has_scales(kv_dtype) else 0
     arrays = weight_arrays(cfg, dtype)
     kept = sharded_axes(cfg, arrays, tp)
     kv_shards = tp if "kv_heads" in kept else 1
     weights = bytes_per_device(arrays, kept, tp)
     pool = int(memory_bytes * pool_fraction)
-    free = pool - weights
+    slots = slot_state_bytes(engine, max_len)
+    free = pool - weights - slots
+    measured = measure or temporaries is not None
+    if temporaries is None:
+        temporaries = (measure_temporaries(cfg, engine, dtype) if measure
+                       else activation_bytes(cfg, engine, max_len, jnp.dtype(dtype).itemsize, tp))
     plan, error = None, None
     try:
         if free <= 0:
             raise MemoryError(f"the weights ({weights / GiB:.1f} GiB per device) do not fit in the "
                               f"{pool / GiB:.1f} GiB XLA pool")
-        plan = plan_kv_cache(cfg, engine, max_len, kv_dtype.itemsize, free, scale, kv_shards=kv_shards)
+        plan = plan_kv_cache(cfg, engine, max_len, kv_dtype, free, temporaries, kv_shards=kv_shards)
     except MemoryError as exc:
         error = str(exc)
     kv_cache = plan.cache_bytes if plan else 0
-    kv_per_token = kv_bytes_per_token(cfg, kv_dtype.itemsize, scale)
-    memory = MemoryEstimate(memory_bytes, pool, weights, free, kv_cache, kv_per_token // kv_shards,
-                            max(0, free - kv_cache), activation_bytes(cfg, engine, max_len, jnp.dtype(dtype).itemsize,
-                                                                      tp), plan, error)
+    kv_per_token = kv_bytes_per_token(cfg, "auto", kv_dtype)
+    memory = MemoryEstimate(memory_bytes, pool, weights, slots, free, temporaries, measured, kv_cache,
+                            kv_per_token // kv_shards, max(0, free - kv_cache), plan, error)
     params = cfg.num_params()
     return Estimate(cfg, engine, max_len, dtype, kv_dtype.name, kv_per_token, tp, gpu, memory, params,
                     params * schemes_bits(cfg, dtype) / 8 * RULE_OF_THUMB_OVERHEAD)
+
+
+def slot_state_bytes(engine: EngineConfig, max_len: int) -> int:
+    """The engine's slot state (replicated on every device), from its shapes."""
+    shapes = jax.eval_shape(lambda: SlotState.zeros(engine.max_num_seqs + 1, max_len))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+class _AbstractWeight(jax.ShapeDtypeStruct):
+    """A weight's shape, dtype and sharding; reading it whole (`variable[...]`) gives itself back."""
+
+    def __getitem__(self, index):
+        return self
+
+
+def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> int:
+    """The engine's own measurement (ModelRunner.measure_transients on its largest step shapes, against the
+    largest cache it would allocate), made on this machine's backend from abstract weights: nothing is allocated.
+    On another backend than the target's, this is the XLA of this machine's figure."""
+    from jaxserve.engine.engine import resolve_attention, resolve_matmul
+    from jaxserve.engine.runner import ModelRunner
+    max_len = engine.resolved_max_model_len(cfg)
+    np_dtype = numpy_dtype(dtype)
+    kv_dtype = kv_quant.kv_storage_dtype(engine.kv_cache_dtype, np_dtype)
+    attention = resolve_attention(engine.attention, kv_dtype)
+    sharder = model_sharder(cfg, engine_mesh(engine), np_dtype)
+    graphdef, state = nnx.split(abstract_model(cfg, np_dtype))
+
+    def placed(var: nnx.Variable) -> nnx.Variable:
+        value = var.get_value()
+        return var.replace(_AbstractWeight(value.shape, value.dtype,
+                                           sharding=sharder.sharding(var.get_metadata().get("axes", ()))))
+
+    model = nnx.merge(graphdef, jax.tree.map(placed, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    kv = abstract_on_mesh(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, wanted_pages(engine, max_len),
+                                                engine.page_size, cfg.head_dim, kv_dtype),
+                          lambda a: kv_cache_shardings(a, sharder))
+    slots = abstract_on_mesh(lambda: SlotState.zeros(engine.max_num_seqs + 1, max_len), lambda a: sharder.replicated)
+    buckets = engine_buckets(engine, max_len, attention)
+    options = ({"xla_backend_optimization_level": engine.xla_optimization_level}
+               if engine.xla_optimization_level is not None else None)
+    runner = ModelRunner(model, kv, slots, buckets, attention, options, resolve_matmul(engine.matmul), sharder)
+    return runner.measure_transients(buckets.largest_shapes())
 
 
 def weight_arrays(cfg: ModelConfig, dtype: str) -> list[tuple[tuple, tuple[int, ...], jnp.dtype]]:
@@ -189,16 +247,15 @@ def bytes_per_device(arrays, kept: frozenset[str], tp: int) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, engine: EngineConfig, max_len: int, itemsize: int, tp: int = 1) -> int:
-    """Rough peak of the largest step (max_num_batched_tokens tokens, one layer live under the scan, paged
-    attention reading pages in place): hidden states, q/k/v and attention output, MLP intermediates, float32
-    logits and sampling buffers for the step's sequences, plus the slot state (token history per sequence)."""
+    """Rough transient bytes of the largest step when they cannot be measured (max_num_batched_tokens tokens, one
+    layer live under the scan, paged attention reading pages in place): hidden states, q/k/v and attention
+    output, MLP intermediates, float32 logits and sampling buffers for the step's sequences."""
     t = engine.max_num_batched_tokens
     s = min(t, engine.max_num_seqs)
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     per_token = 2 * e + (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp + 3 * f // tp
     logits = 3 * s * cfg.vocab_size * 4
-    slots = (engine.max_num_seqs + 1) * (max_len + 1) * 4
-    return 2 * t * per_token * itemsize + logits + slots  # x2: XLA keeps a step's inputs and outputs live at once
+    return 2 * t * per_token * itemsize + logits  # x2: XLA keeps a step's inputs and outputs live at once
 
 
 def schemes_bits(cfg: ModelConfig, dtype: str) -> float:
@@ -228,6 +285,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-fraction", type=float, default=None,
                         help="share of device memory XLA's allocator takes (default: $XLA_PYTHON_CLIENT_MEM_FRACTION, "
                              f"else {DEFAULT_POOL_FRACTION})")
+    parser.add_argument("--measure", action="store_true",
+                        help="compile the engine's largest step shapes on this machine (from abstract weights, "
+                             "nothing allocated) and reserve their measured temporaries, as the engine does, instead "
+                             "of estimating them; exact for this machine's backend")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -244,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         memory = gpu.memory_bytes if gpu else int(args.memory_gb * GiB)
         result = estimate(cfg, engine, memory_bytes=memory, gpu=gpu, weight_dtype=args.dtype,
                           pool_fraction=args.pool_fraction or float(env_str("XLA_PYTHON_CLIENT_MEM_FRACTION")
-                                                                    or DEFAULT_POOL_FRACTION))
+                                                                    or DEFAULT_POOL_FRACTION), measure=args.measure)
     except (ConfigError, schemes.QuantizationError, FileNotFoundError, ValueError) as exc:
         print(f"jaxserve estimate: error: {exc}", file=sys.stderr)
         return 1
@@ -275,11 +336,16 @@ def report(e: Estimate) -> str:
     rows = [("device memory", m.device, ""),
             ("XLA pool", m.pool, f"{m.pool / m.device:.0%} of the device"),
             ("weights", m.weights, f"/{e.tensor_parallel_size} devices" if e.tensor_parallel_size > 1 else ""),
-            ("free after the weights", m.free, ""),
+            ("slot state", m.slots, "token history and sampling state"),
+            ("free after the weights and slots", m.free, ""),
+            ("step temporaries", m.temporaries, ("measured on this machine" if m.temporaries_measured
+                                                  else "estimated (--measure compiles them)")
+             + (f", + {m.plan.margin / GiB:.2f} GiB margin" if m.plan else "")),
             ("KV cache", m.kv_cache, f"{m.kv_tokens:,} tokens in {m.plan.num_pages - 1:,} pages of "
              f"{m.plan.page_size}" if m.plan else "none"),
-            ("reserve", m.reserve, f"largest step + slot state ~{m.activations / GiB:.2f} GiB: "
-             + ("fits" if m.activations <= m.reserve else "DOES NOT FIT, lower --kv-cache-fraction")),
+            ("left unused", max(0, m.reserve - m.temporaries - (m.plan.margin if m.plan else 0)),
+             f"what --kv-cache-fraction keeps back ({1 - e.engine.kv_cache_fraction:.0%} of free) or the cache "
+             "at max_num_seqs full sequences does not need"),
             ("outside the XLA pool", m.device - m.pool, "CUDA context, other processes")]
     lines += [f"  {name:<44}{value / GiB:>8.2f}   {note}".rstrip() for name, value, note in rows]
     lines += ["", f"KV cache: {_size(m.kv_bytes_per_token)} per token per device (2 x {cfg.num_layers} layers x "

@@ -1,11 +1,14 @@
 """`jaxserve estimate` against what the engine actually allocates, and the command itself.
 
-The engine sizes its KV cache from the free memory it measures after loading the weights (on a GPU:
-memory_stats' bytes_limit - bytes_in_use). The CPU backend reports no such stats, so these tests give the engine an
+The engine sizes its KV cache from the free memory it measures after loading the weights and the slot state (on a
+GPU: memory_stats' bytes_limit - bytes_in_use), minus the temporaries of its largest step shapes, which it compiles
+and measures first (memory_analysis). The CPU backend reports no memory stats, so these tests give the engine an
 accelerator-like allocator pool: `pool` bytes, of which every jax array created since the test began is in use
-(what XLA's GPU allocator counts). The estimate gets the same pool from the config alone (pool fraction 1); both
-then go through plan_kv_cache. What is checked is the part the estimate models: the weights as stored (quantized
-values, scales, float embeddings), KV bytes per token, pages. Step shapes are not compiled: sizing happens before.
+(what XLA's GPU allocator counts). The estimate gets the same pool from the config alone (pool fraction 1) and
+measures the same shapes from abstract weights (measure=True); both then go through plan_kv_cache. Checked: the
+weights as stored (quantized values, scales, float embeddings), the temporaries, KV bytes per token, pages, and that
+weights + slot state + temporaries + KV cache fit the pool. The remaining step shapes are not compiled (compile_all
+is stubbed out): they do not change the plan.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import placement
 from jaxserve.engine.placement import engine_mesh, model_sharder
 from jaxserve.engine.engine import LLMEngine, resolve_dtype
-from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.core.runner import ModelRunner
 from jaxserve.estimate import estimate, load_model_config
 from jaxserve.models.llama import Llama, abstract_model
 from jaxserve.observability.gpus import GPUS, GiB, gpu_for_device_kind
@@ -34,8 +37,8 @@ from jaxserve.quant.memory import weight_bytes
 
 DEMO = Path(__file__).resolve().parents[1] / "checkpoints" / "demo"
 ENGINE = EngineConfig(max_num_seqs=64, max_num_batched_tokens=64, page_size=16, max_model_len=256,
-                      decode_buckets=(4,), prefill_token_buckets=(64,), prefill_seq_buckets=(4,),
-                      compilation_cache_dir="")
+                      decode_buckets=(64,), prefill_token_buckets=(64,), prefill_seq_buckets=(64,),
+                      xla_optimization_level=0, compilation_cache_dir="")
 MEDIUM = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=384, intermediate_size=1024,
                      num_layers=4, num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
                      dtype="float32")
@@ -62,24 +65,33 @@ def live_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays())
 
 
-def pool_for(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> int:
+def pool_for(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> tuple[int, int]:
     """A pool whose KV budget holds about half of what max_num_seqs full sequences want (so the budget, not the
-    max_num_seqs cap, decides)."""
-    roomy = estimate(cfg, engine, memory_bytes=64 * GiB, weight_dtype=dtype, pool_fraction=1.0).memory
+    max_num_seqs cap, decides), and the temporaries the estimate measured (compiled once per case)."""
+    roomy = estimate(cfg, engine, memory_bytes=64 * GiB, weight_dtype=dtype, pool_fraction=1.0, measure=True).memory
     wanted = roomy.plan.wanted_pages * roomy.plan.bytes_per_page
-    return roomy.weights + int(0.5 * wanted / engine.kv_cache_fraction)
+    reserve = roomy.temporaries + roomy.plan.margin
+    return roomy.weights + roomy.slots + int((0.5 * wanted + reserve) / engine.kv_cache_fraction), roomy.temporaries
 
 
-def check_agreement(engine: LLMEngine, cfg: ModelConfig, config: EngineConfig, pool: int) -> None:
+def check_agreement(engine: LLMEngine, cfg: ModelConfig, config: EngineConfig, pool: int, temporaries: int) -> None:
     dtype = jnp.dtype(engine.core.runner.params["embed"][...].dtype).name
-    predicted = estimate(cfg, config, memory_bytes=pool, weight_dtype=dtype, pool_fraction=1.0).memory
+    predicted = estimate(cfg, config, memory_bytes=pool, weight_dtype=dtype, pool_fraction=1.0,
+                         temporaries=temporaries).memory
     allocated_kv = sum(x.nbytes for x in jax.tree.leaves(engine.core.runner.kv))
+    slots = sum(x.nbytes for x in jax.tree.leaves(engine.core.runner.slots))
+    plan = engine.core.kv_plan
     print(f"{cfg.architecture} {cfg.quantization or dtype}, KV {engine.core.kv_dtype.name}: estimate "
-          f"{predicted.kv_tokens} tokens / {predicted.kv_cache} B, engine {engine.core.kv_plan.max_tokens} tokens / "
-          f"{allocated_kv} B (weights: estimate {predicted.weights} B)")
-    assert engine.core.kv_plan.num_pages < engine.core.kv_plan.wanted_pages  # the budget decided, not the cap
-    assert abs(predicted.kv_tokens - engine.core.kv_plan.max_tokens) <= 0.1 * engine.core.kv_plan.max_tokens
-    assert abs(predicted.kv_cache - allocated_kv) <= 0.1 * allocated_kv
+          f"{predicted.kv_tokens} tokens / {predicted.kv_cache} B, temporaries {predicted.temporaries} B; engine "
+          f"{plan.max_tokens} tokens / {allocated_kv} B, temporaries {plan.temporaries} B (weights: estimate "
+          f"{predicted.weights} B, engine {engine.core.weight_bytes} B)")
+    assert plan.num_pages < plan.wanted_pages  # the budget decided, not the cap
+    assert predicted.weights == engine.core.weight_bytes and predicted.slots == slots
+    assert abs(predicted.temporaries - plan.temporaries) <= 0.05 * plan.temporaries
+    assert abs(predicted.kv_tokens - plan.max_tokens) <= 0.05 * plan.max_tokens
+    assert abs(predicted.kv_cache - allocated_kv) <= 0.05 * allocated_kv
+    assert engine.core.weight_bytes + slots + plan.temporaries + plan.margin + allocated_kv <= pool
+    assert engine.core.temporaries <= plan.temporaries + plan.margin  # every compiled shape fits what was reserved
 
 
 @pytest.mark.parametrize("family, stored", [("llama3.1", "float32"), ("llama3.1", "bfloat16"),
@@ -87,10 +99,10 @@ def check_agreement(engine: LLMEngine, cfg: ModelConfig, config: EngineConfig, p
 def test_estimate_agrees_with_the_engine_on_fixture_checkpoints(converted, accelerator_pool, family, stored):
     model_dir = converted(family, stored)
     cfg = load_model_config(model_dir)
-    pool = pool_for(cfg, ENGINE, resolve_dtype(ENGINE.dtype, cfg.dtype))
+    pool, temporaries = pool_for(cfg, ENGINE, resolve_dtype(ENGINE.dtype, cfg.dtype))
     accelerator_pool(pool)
     engine = LLMEngine.from_model_dir(model_dir, ENGINE, show_progress=False)
-    check_agreement(engine, cfg, ENGINE, pool)
+    check_agreement(engine, cfg, ENGINE, pool, temporaries)
 
 
 @pytest.mark.parametrize("base, quantization, kv_dtype", [
@@ -100,10 +112,10 @@ def test_estimate_agrees_with_the_engine_on_models_built_from_a_config(accelerat
                                                                         kv_dtype):
     cfg = dataclasses.replace({"medium": MEDIUM, "demo": DEMO_SHAPE}[base], quantization=quantization)
     config = ENGINE.replace(kv_cache_dtype=kv_dtype)
-    pool = pool_for(cfg, config, "float32")
+    pool, temporaries = pool_for(cfg, config, "float32")
     accelerator_pool(pool)
     engine = LLMEngine(model_on_devices(cfg, config), config, show_progress=False)
-    check_agreement(engine, cfg, config, pool)
+    check_agreement(engine, cfg, config, pool, temporaries)
 
 
 def model_on_devices(cfg: ModelConfig, config: EngineConfig) -> Llama:
@@ -125,10 +137,10 @@ def model_on_devices(cfg: ModelConfig, config: EngineConfig) -> Llama:
 def test_estimate_agrees_with_the_engine_on_the_demo_model(accelerator_pool):
     cfg = load_model_config(DEMO)
     config = ENGINE.replace(max_model_len=None)
-    pool = pool_for(cfg, config, resolve_dtype(config.dtype, cfg.dtype))
+    pool, temporaries = pool_for(cfg, config, resolve_dtype(config.dtype, cfg.dtype))
     accelerator_pool(pool)
     engine = LLMEngine.from_model_dir(DEMO, config, show_progress=False)
-    check_agreement(engine, cfg, config, pool)
+    check_agreement(engine, cfg, config, pool, temporaries)
 
 
 def test_weights_estimate_equals_the_quantization_byte_accounting():
@@ -161,8 +173,9 @@ def test_llama_3_8b_on_an_h100_matches_the_hand_arithmetic(tmp_path):
     assert result.params == 8_030_261_248
     assert m.weights == 8_030_261_248 * 2  # bfloat16, untied LM head
     assert m.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB
-    assert m.pool == int(80 * GiB * 0.75) and m.free == m.pool - m.weights
-    assert m.kv_budget == int(m.free * 0.9)
+    assert m.pool == int(80 * GiB * 0.75) and m.free == m.pool - m.weights - m.slots
+    assert m.slots == 65 * 8193 * 4 + m.slots % (65 * 8193 * 4)  # the token history dominates the slot state
+    assert m.kv_budget == int(m.free * 0.9) - m.temporaries - m.plan.margin
     assert m.plan.bytes_per_page == 16 * 128 * 1024
     assert result.concurrent_sequences == (m.kv_budget // m.plan.bytes_per_page - 1) // 512  # 40
     floors = result.floors()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
+
+from jaxserve.config import ConfigError, EngineConfig
 
 
 class BucketError(RuntimeError):
@@ -74,6 +75,43 @@ class BucketTable:
         out += [StepShape("prefill", t, s, p) for t, s in self.prefill_sizes for p in self.page_sizes]
         return out
 
+    def largest_shapes(self) -> list[StepShape]:
+        """The largest shape of each family (most tokens, then sequences, then pages): where the executables'
+        temporaries peak, as jaxserve.engine.memory measures them before sizing the KV cache."""
+        shapes = self.shapes()
+        return [max((s for s in shapes if s.kind == kind), key=lambda s: (s.tokens, s.seqs, s.pages))
+                for kind in ("decode", "prefill")]
+
+    def check_covers(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                     page_size: int) -> None:
+        """Raises ConfigError, before anything compiles, unless every plan the scheduler can make has a shape:
+
+            decode     1..max_num_seqs sequences
+            prefill    t = 1..max_num_batched_tokens tokens from up to min(t, max_num_seqs) sequences
+            pages      up to ceil(max_model_len / page_size) per sequence, in either family
+        """
+        if self.decode_sizes[-1] < max_num_seqs:
+            raise ConfigError(_missing("--decode-buckets", self.decode_sizes, f"{max_num_seqs} sequences",
+                                       f"max_num_seqs {max_num_seqs}", max_num_seqs))
+        max_pages = -(-max_model_len // page_size)
+        if self.page_sizes[-1] < max_pages:
+            have = tuple(p * page_size for p in self.page_sizes)
+            raise ConfigError(_missing("--context-buckets", have, f"a context of {max_model_len} tokens "
+                                       f"({max_pages} pages of {page_size})", f"max_model_len {max_model_len}",
+                                       max_model_len))
+        largest_t = max(t for t, _ in self.prefill_sizes)
+        if largest_t < max_num_batched_tokens:
+            tokens = tuple(sorted({t for t, _ in self.prefill_sizes}))
+            raise ConfigError(_missing("--prefill-token-buckets", tokens, f"{max_num_batched_tokens} tokens",
+                                       f"max_num_batched_tokens {max_num_batched_tokens}", max_num_batched_tokens))
+        for t in range(1, max_num_batched_tokens + 1):
+            s = min(t, max_num_seqs)
+            if not any(bt >= t and bs >= s for bt, bs in self.prefill_sizes):
+                seqs = tuple(sorted({bs for _, bs in self.prefill_sizes}))
+                raise ConfigError(_missing("--prefill-seq-buckets", seqs, f"a step of {t} tokens from {s} sequences",
+                                           f"max_num_seqs {max_num_seqs}", min(max_num_seqs, max_num_batched_tokens))
+                                  + " (each S pairs with the token buckets T >= S)")
+
     def decode_shape(self, num_seqs: int, max_pages: int) -> StepShape:
         b = _fit(self.decode_sizes, num_seqs, "decode batch size")
         return StepShape("decode", b, b, _fit(self.page_sizes, max_pages, "pages per sequence"))
@@ -87,12 +125,25 @@ class BucketTable:
         return StepShape("prefill", t, s, _fit(self.page_sizes, max_pages, "pages per sequence"))
 
 
+def engine_buckets(config: EngineConfig, max_model_len: int, attention_impl: str) -> BucketTable:
+    """The engine's table from its config, checked to cover every plan the scheduler can make."""
+    max_pages = -(-max_model_len // config.page_size)
+    context = config.context_buckets and tuple(-(-t // config.page_size) for t in config.context_buckets)
+    if attention_impl == "pallas" and not context:
+        context = (max_pages,)  # the kernels read only the pages a sequence has
+    table = BucketTable.build(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
+                              decode_sizes=config.decode_buckets, token_sizes=config.prefill_token_buckets,
+                              seq_sizes=config.prefill_seq_buckets, context_pages=context)
+    table.check_covers(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.page_size)
+    return table
+
+
+def _missing(flag: str, ladder, what: str, limit: str, add: int) -> str:
+    return f"{flag} {','.join(map(str, ladder))} has no bucket for {what} ({limit}): add {add}"
+
+
 def _fit(ladder, value: int, what: str) -> int:
     i = bisect.bisect_left(ladder, value)
     if i == len(ladder):
         raise BucketError(f"{what} {value} exceeds the largest compiled bucket {ladder[-1]}")
     return ladder[i]
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return max(1, math.ceil(num_tokens / page_size))

@@ -16,20 +16,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.buckets import BucketTable
-from jaxserve.engine.memory import KVPlan, plan_kv_cache
+from jaxserve.engine.buckets import BucketTable, engine_buckets
+from jaxserve.engine.memory import KVPlan, plan_kv_cache, transient_bytes, wanted_pages
 from jaxserve.engine.multihost import leader_mirror
 from jaxserve.engine.messages import EngineRequest, PromptLogprobsChunk, SampleDelta, SchedulerStats, StepOutputs
 from jaxserve.engine.output import OutputProcessor
-from jaxserve.engine.placement import (create_on_mesh, engine_mesh, free_memory, kv_cache_shardings, model_sharder,
-                                       place_model)
+from jaxserve.engine.placement import (abstract_on_mesh, create_on_mesh, engine_mesh, free_memory, kv_cache_shardings,
+                                       model_sharder, place_model)
 from jaxserve.engine.runner import ModelRunner, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import NullMeter, StepMeter, StepRecord
@@ -92,21 +92,25 @@ class EngineCore:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
         self.attention_impl = resolve_attention(config.attention, self.kv_dtype)
         self.matmul_impl = resolve_matmul(config.matmul)  # used by quantized weights only
+        self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)
-        self.kv_plan = self._plan_kv(model)
-        kv = create_on_mesh(lambda: KVCache.zeros(model.cfg.num_layers, model.cfg.num_kv_heads,
-                                                  self.kv_plan.num_pages, config.page_size, model.cfg.head_dim,
-                                                  self.kv_dtype), lambda a: kv_cache_shardings(a, self.sharder))
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
-        self.buckets = self._buckets()
+        free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
         options = ({"xla_backend_optimization_level": config.xla_optimization_level}
                    if config.xla_optimization_level is not None else None)
-        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options, self.matmul_impl,
-                                  self.sharder)
+        started = time.perf_counter()
+        largest = self._cache(abstract_on_mesh, wanted_pages(config, self.max_model_len))  # measured against
+        self.runner = ModelRunner(model, largest, slots, self.buckets, self.attention_impl, options,
+                                  self.matmul_impl, self.sharder)
         self.runner.mirror = leader_mirror()
-        self.compile_seconds = self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
+        self.kv_plan = self._plan_kv(free, self.runner.measure_transients(self.buckets.largest_shapes()))
+        self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages))
+        self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
+        self.compile_seconds = time.perf_counter() - started
+        self.temporaries = transient_bytes(self.runner.executables)  # every shape's, now that all are compiled
+        self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -114,11 +118,19 @@ class EngineCore:
                                    seed=config.seed)
         self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
         self._in_flight: PendingStep | None = None
-        log.info("engine ready: %s attention, weights %s (%.1f MiB), KV cache %s: %d pages of %d tokens (%.1f MiB), "
-                 "%d step shapes compiled in %.1fs, %s", self.attention_impl, self.weights_description,
-                 self.weight_bytes / 2**20, self.kv_dtype.name, self.kv_plan.num_pages, config.page_size,
-                 self.kv_plan.cache_bytes / 2**20, self.runner.num_executables, self.compile_seconds,
-                 self.sharder.describe())
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        plan = self.kv_plan
+        log.info("engine ready: %s attention, weights %s (%.1f MiB), step temporaries %.1f MiB (+%.1f MiB margin), "
+                 "KV cache %s: %d pages of %d tokens (%.1f MiB), of %.1f MiB free per device; %d executables "
+                 "compiled in %.1fs, %s", self.attention_impl, self.weights_description, self.weight_bytes / 2**20,
+                 self.temporaries / 2**20, plan.margin / 2**20, self.kv_dtype.name, plan.num_pages, plan.page_size,
+                 plan.cache_bytes / 2**20, plan.free_bytes / 2**20, self.runner.num_executables,
+                 self.compile_seconds, self.sharder.describe())
+        if self.temporaries > plan.temporaries + plan.margin:
+            log.warning("a step shape needs %.1f MiB of temporaries, more than the %.1f MiB (+ margin) the KV cache "
+                        "plan reserved from the largest shapes", self.temporaries / 2**20, plan.temporaries / 2**20)
 
     @property
     def stats(self):
@@ -159,11 +171,19 @@ class EngineCore:
         tokenizer = load_tokenizer(model_dir, model_type=model_cfg.family)
         return cls(model, config, tokenizer, show_progress=show_progress, mesh=mesh)
 
-    def _plan_kv(self, model: Llama) -> KVPlan:
-        """Pages of the KV cache: what fits on the fullest device of the mesh, each holding its share of KV heads."""
-        return plan_kv_cache(model.cfg, self.config, self.max_model_len, self.kv_dtype.itemsize,
-                             free_memory(self.sharder.mesh), KVCache.scale_bytes(self.kv_dtype),
+    def _plan_kv(self, free: int, temporaries: int) -> KVPlan:
+        """Pages of the KV cache: what fits on the fullest device of the mesh beside the step executables'
+        temporaries, each device holding its share of KV heads (jaxserve.engine.memory)."""
+        return plan_kv_cache(self.model_config, self.config, self.max_model_len, self.kv_dtype, free, temporaries,
                              kv_shards=self.sharder.shards("kv_heads"))
+
+    def _cache(self, on_mesh: Callable, num_pages: int) -> KVCache:
+        """The cache of `num_pages` pages on the mesh: allocated (create_on_mesh) or abstract (abstract_on_mesh, to
+        compile against before it exists)."""
+        cfg = self.model_config
+        return on_mesh(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, self.config.page_size,
+                                             cfg.head_dim, self.kv_dtype),
+                       lambda a: kv_cache_shardings(a, self.sharder))
 
     def close(self) -> None:
         """Ends a multi-host run: the followers stop after the steps already published (no-op otherwise)."""
@@ -172,14 +192,7 @@ class EngineCore:
             self.runner.mirror = None
 
     def _buckets(self) -> BucketTable:
-        c = self.config
-        max_pages = -(-self.max_model_len // c.page_size)
-        context = c.context_buckets and tuple(-(-t // c.page_size) for t in c.context_buckets)
-        if self.attention_impl == "pallas" and not context:
-            context = (max_pages,)  # the kernels read only the pages a sequence has
-        return BucketTable.build(c.max_num_seqs, c.max_num_batched_tokens, max_pages,
-                                 decode_sizes=c.decode_buckets, token_sizes=c.prefill_token_buckets,
-                                 seq_sizes=c.prefill_seq_buckets, context_pages=context)
+        return engine_buckets(self.config, self.max_model_len, self.attention_impl)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

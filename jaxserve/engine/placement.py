@@ -81,6 +81,16 @@ def create_on_mesh(make: Callable, shardings_of: Callable):
     return jax.jit(make, out_shardings=shardings_of(jax.eval_shape(make)))()
 
 
+def abstract_on_mesh(make: Callable, shardings_of: Callable):
+    """What create_on_mesh(make, shardings_of) makes, as ShapeDtypeStructs with their shardings: nothing is
+    allocated (executables compile against it before the real arrays exist)."""
+    shapes = jax.eval_shape(make)
+    shardings = shardings_of(shapes)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, shapes)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
 def kv_cache_shardings(kv: KVCache, sharder: Sharder) -> KVCache:
     """The cache's shardings (a KVCache of NamedShardings) for a cache or an abstract one."""
     return jax.tree.map(sharder.sharding, kv.logical_specs())

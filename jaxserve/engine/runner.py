@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine.buckets import BucketError, BucketTable, StepShape
+from jaxserve.engine.memory import transient_bytes
 from jaxserve.engine.sampler import SampleOutput, SamplingFlags, SlotState, assign_slot, sample
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models.llama import Llama
@@ -156,19 +157,46 @@ class ModelRunner:
 
     @property
     def num_executables(self) -> int:
-        return len(self.model_executables) + len(self.sample_executables) + len(self.prompt_lp_executables)
+        return len(self.executables)
+
+    @property
+    def executables(self) -> list[jax.stages.Compiled]:
+        return [*self.model_executables.values(), *self.sample_executables.values(),
+                *self.prompt_lp_executables.values()]
+
+    def set_cache(self, kv: KVCache) -> None:
+        """Replaces the cache (or the abstract stand-in it was compiled against); the step executables compiled
+        for another page count are dropped."""
+        if jax.tree.map(lambda x: x.shape, kv) != jax.tree.map(lambda x: x.shape, self.kv):
+            self.model_executables.clear()
+        self.kv = kv
 
     # ---- compilation ----------------------------------------------------------------------------------------
     def compile_all(self, progress: Callable | None = None, workers: int | None = None) -> float:
-        """Compiles every bucket ahead of time, XLA compiles running in parallel threads (they release the GIL;
-        tracing and lowering stay on this thread). Returns seconds spent."""
+        """Compiles every bucket ahead of time (those not compiled yet), XLA compiles running in parallel threads
+        (they release the GIL; tracing and lowering stay on this thread). Returns seconds spent."""
         start = time.perf_counter()
-        shapes = self.buckets.shapes()
+        self.compile_shapes(self.buckets.shapes(), progress, workers)
+        return time.perf_counter() - start
+
+    def measure_transients(self, shapes: list[StepShape]) -> int:
+        """Compiles the executables of `shapes` (kept for compile_all) and returns the most transient bytes one
+        of them needs (jaxserve.engine.memory.transient_bytes)."""
+        self.compile_shapes(shapes)
+        compiled = [self.model_executables[s] for s in shapes] + [self.sample_executables[s.seqs] for s in shapes]
+        compiled += [self.prompt_lp_executables[s.tokens] for s in shapes if s.kind == "prefill"]
+        return transient_bytes(compiled)
+
+    def compile_shapes(self, shapes: list[StepShape], progress: Callable | None = None,
+                       workers: int | None = None) -> None:
         with jax.set_mesh(self.sharder.mesh):  # shard_map inside the model finds its mesh here
-            jobs = [(self.model_executables, shape, self._lower_model(shape)) for shape in shapes]
-            jobs += [(self.sample_executables, s, self._lower_sample(s)) for s in sorted({x.seqs for x in shapes})]
+            jobs = [(self.model_executables, shape, self._lower_model(shape)) for shape in shapes
+                    if shape not in self.model_executables]
+            jobs += [(self.sample_executables, s, self._lower_sample(s)) for s in sorted({x.seqs for x in shapes})
+                     if s not in self.sample_executables]
             jobs += [(self.prompt_lp_executables, t, self._lower_prompt_lp(t))
-                     for t in sorted({x.tokens for x in shapes if x.kind == "prefill"})]
+                     for t in sorted({x.tokens for x in shapes if x.kind == "prefill"})
+                     if t not in self.prompt_lp_executables]
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             futures = {pool.submit(lowered.compile, self.compiler_options): (table, key)
                        for table, key, lowered in jobs}
@@ -176,7 +204,6 @@ class ModelRunner:
             for future in (progress(done, total=len(futures)) if progress else done):
                 table, key = futures[future]
                 table[key] = future.result()
-        return time.perf_counter() - start
 
     def _lower_model(self, shape: StepShape):
         fn = functools.partial(model_step, self.graphdef, shape=shape, page_size=self.page_size,
@@ -212,7 +239,7 @@ class ModelRunner:
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         max_pages = max(len(row.pages) for row in plan.seqs)
-        if plan.is_decode:
+        if plan.is_decode and not any(row.prompt_logprobs for row in plan.seqs):  # prompt scoring: prefill only
             return self.buckets.decode_shape(len(plan.seqs), max_pages)
         return self.buckets.prefill_shape(plan.num_tokens, len(plan.seqs), max_pages)
 

@@ -60,11 +60,6 @@ class KVCache:
                    jnp.ones(shape[:-1], jnp.float32))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int,
-                        scale_bytes: int = 0) -> int:
-        return 2 * num_layers * num_kv_heads * (head_dim * itemsize + scale_bytes)
-
-    @staticmethod
     def scale_bytes(dtype) -> int:
         """Bytes of scale per token, KV head and K/V: 4 for int8 caches, else 0."""
         return SCALE_BYTES if has_scales(dtype) else 0

@@ -36,10 +36,9 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
-from jaxserve.engine.memory import kv_bytes_per_token
-from jaxserve.kv.cache import KVCache
 from jaxserve.observability.ceilings import DeviceCeilings, device_ceilings
 from jaxserve.observability.cost import ModelCost, Work
+from jaxserve.quant.memory import kv_bytes_per_token
 
 VERDICTS = ("compute", "bandwidth", "capacity", "host", "idle")
 WINDOW_SECONDS = 10.0
@@ -139,7 +138,7 @@ class BottleneckMonitor:
 def model_cost(engine) -> ModelCost:
     """The prices of an LLMEngine's steps: its model, weight dtype, KV-cache dtype and devices."""
     dtype = jnp.dtype(engine.runner.params["embed"][...].dtype).name
-    kv = kv_bytes_per_token(engine.model_config, engine.kv_dtype.itemsize, KVCache.scale_bytes(engine.kv_dtype))
+    kv = kv_bytes_per_token(engine.model_config, "auto", engine.kv_dtype)
     return ModelCost.of(engine.model_config, dtype, kv, engine.sharder.mesh.devices.size)
 
 

@@ -33,10 +33,6 @@ def has_scales(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.int8
 
 
-def is_quantized(dtype) -> bool:
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-
-
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
     """x [..., head_dim] float -> (values in the cache dtype, scales [...] float32 for int8 else None)."""
     dtype = jnp.dtype(dtype)

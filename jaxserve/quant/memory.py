@@ -46,11 +46,8 @@ def weight_bytes_per_scheme(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[s
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16") -> int:
-    """K and V bytes of one token over all layers and KV heads (int8: + one float32 scale per head each)."""
+    """K and V bytes of one token over all layers and KV heads (int8: + one float32 scale per head each). The one
+    formula: the engine and `jaxserve estimate` call it with ("auto", the cache's resolved storage dtype)."""
     dtype = kv.kv_storage_dtype(kv_cache_dtype, model_dtype)
     per_head = cfg.head_dim * dtype.itemsize + (kv.SCALE_BYTES if kv.has_scales(dtype) else 0)
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
-
-
-def kv_bytes_per_token_per_dtype(cfg: ModelConfig, model_dtype: str = "bfloat16") -> dict[str, int]:
-    return {name: kv_bytes_per_token(cfg, name, model_dtype) for name in (model_dtype, "int8", "fp8")}
