@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
-from jaxserve.engine.core.buckets import engine_buckets
+from jaxserve.engine.buckets import engine_buckets
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.engine.core.runner import ModelRunner
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.models.llama import random_model
 from jaxserve.quant.memory import kv_bytes_per_token
 from jaxserve.sampling_params import SamplingParams
@@ -105,7 +105,7 @@ def test_every_plan_shape_of_an_accepted_ladder_has_a_bucket():
 
 def covers_every_plan(config: EngineConfig, max_pages: int) -> bool:
     """The brute-force answer: does the unchecked table fit every plan?"""
-    from jaxserve.engine.core.buckets import BucketError, BucketTable
+    from jaxserve.engine.buckets import BucketError, BucketTable
     c = config
     context = c.context_buckets and tuple(-(-t // c.page_size) for t in c.context_buckets)
     table = BucketTable.build(c.max_num_seqs, c.max_num_batched_tokens, max_pages, decode_sizes=c.decode_buckets,

@@ -29,7 +29,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import placement
 from jaxserve.engine.placement import engine_mesh, model_sharder
 from jaxserve.engine.engine import LLMEngine, resolve_dtype
-from jaxserve.engine.core.runner import ModelRunner
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.estimate import estimate, load_model_config
 from jaxserve.models.llama import Llama, abstract_model
 from jaxserve.observability.gpus import GPUS, GiB, gpu_for_device_kind
