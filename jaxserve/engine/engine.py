@@ -31,6 +31,7 @@ from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import EngineStats, StepClock, StepRecord, attention_work
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
+from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama, numpy_dtype
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel import multihost
@@ -40,28 +41,6 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfig, StepPlan
 
 log = logging.getLogger(__name__)
-
-
-def resolve_attention(impl: str, kv_dtype) -> str:
-    """`auto`: the Pallas kernels on a GPU; on a CPU the C++ kernel for float caches if it builds, else XLA."""
-    if impl == "auto":
-        backend = jax.default_backend()
-        if backend == "gpu":
-            return "pallas"
-        from jaxserve import cpu
-        return "cpu" if backend == "cpu" and cpu.supports(kv_dtype) and cpu.available() else "xla"
-    if impl not in ("pallas", "xla", "cpu"):
-        raise ValueError(f"attention must be auto, pallas, cpu or xla, not {impl!r}")
-    return impl
-
-
-def resolve_matmul(impl: str) -> str:
-    """For quantized weights: `auto` is the Pallas kernel on a GPU, XLA elsewhere."""
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl not in ("pallas", "xla"):
-        raise ValueError(f"matmul must be auto, pallas or xla, not {impl!r}")
-    return impl
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
@@ -82,8 +61,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = config.resolved_max_model_len(model.cfg)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
-        self.attention_impl = resolve_attention(config.attention, self.kv_dtype)
-        self.matmul_impl = resolve_matmul(config.matmul)  # used by quantized weights only
+        self.kernels = Kernels.resolve(config.attention, config.matmul, self.kv_dtype)  # chosen once, here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)
         self.kv_plan = self._plan_kv(model)
@@ -95,8 +73,7 @@ class LLMEngine:
         self.buckets = self._buckets()
         options = ({"xla_backend_optimization_level": config.xla_optimization_level}
                    if config.xla_optimization_level is not None else None)
-        self.runner = ModelRunner(model, kv, slots, self.buckets, self.attention_impl, options, self.matmul_impl,
-                                  self.sharder)
+        self.runner = ModelRunner(model, kv, slots, self.buckets, self.kernels, options, self.sharder)
         self.runner.mirror = leader_mirror()
         self.compile_seconds = self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
@@ -110,7 +87,7 @@ class LLMEngine:
         self._in_flight: PendingStep | None = None
         self._clocks: dict[int, StepClock] = {}  # step id -> what the host saw of it, while it is in flight
         log.info("engine ready: %s attention, weights %s (%.1f MiB), KV cache %s: %d pages of %d tokens (%.1f MiB), "
-                 "%d step shapes compiled in %.1fs, %s", self.attention_impl, self.weights_description,
+                 "%d step shapes compiled in %.1fs, %s", self.kernels.attention_name, self.weights_description,
                  self.weight_bytes / 2**20, self.kv_dtype.name, self.kv_plan.num_pages, config.page_size,
                  self.kv_plan.cache_bytes / 2**20, self.runner.num_executables, self.compile_seconds,
                  self.sharder.describe())
@@ -125,7 +102,7 @@ class LLMEngine:
         if cfg.quantization is None and cfg.lm_head_quantization is None:
             return jnp.dtype(self.runner.params["embed"][...].dtype).name
         head = f", LM head {cfg.lm_head_quantization or 'float'}" if not cfg.tie_word_embeddings else ""
-        return f"{cfg.quantization or 'float'} ({self.matmul_impl} matmul{head})"
+        return f"{cfg.quantization or 'float'} ({self.kernels.matmul_name} matmul{head})"
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
@@ -161,7 +138,7 @@ class LLMEngine:
         c = self.config
         max_pages = -(-self.max_model_len // c.page_size)
         context = c.context_buckets and tuple(-(-t // c.page_size) for t in c.context_buckets)
-        if self.attention_impl == "pallas" and not context:
+        if self.kernels.attention_name == "pallas" and not context:
             context = (max_pages,)  # the kernels read only the pages a sequence has
         return BucketTable.build(c.max_num_seqs, c.max_num_batched_tokens, max_pages,
                                  decode_sizes=c.decode_buckets, token_sizes=c.prefill_token_buckets,
