@@ -101,16 +101,28 @@ def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, conte
     return dataclasses.replace(slots, tokens=tokens), out
 
 
-def prompt_logprobs_step(model: Llama, hidden: jax.Array, targets: jax.Array, kernels: Kernels) -> PromptLogprobs:
+def gather_logits(logits: jax.Array, sharder: Sharder | None) -> jax.Array:
+    """[rows, vocab] logits whole on every device for the sampler: computed vocab-parallel as the LM head's
+    weight lies, then gathered (one all-gather of the logits under tensor parallelism). Pinning only the
+    replicated result lets GSPMD gather the LM head's weight instead; pinning nothing splits every reduction of
+    the sampler (argmax, softmax, top-k, sorts) over the vocab shards."""
+    if sharder is None:
+        return logits
+    logits = jax.lax.with_sharding_constraint(logits, sharder.sharding((None, "vocab")))
+    return jax.lax.with_sharding_constraint(logits, sharder.replicated)
+
+
+def prompt_logprobs_step(model: Llama, hidden: jax.Array, targets: jax.Array, kernels: Kernels,
+                         sharder: Sharder | None = None) -> PromptLogprobs:
     """log p(targets | prefix) for every token of a step (hidden [T, hidden], targets [T]), in chunks of rows so
-    that only [chunk, vocab] logits exist at a time."""
+    that only [chunk, vocab] logits exist at a time (gathered whole, like the sampler's)."""
     t = hidden.shape[0]
     chunk = min(PROMPT_LOGPROB_CHUNK, t)
     pad = -t % chunk
 
     def one_chunk(args):
         h, tgt = args
-        lp = jax.nn.log_softmax(model.logits(h, kernels), axis=-1)
+        lp = jax.nn.log_softmax(gather_logits(model.logits(h, kernels), sharder), axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
         return jnp.take_along_axis(lp, tgt[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
@@ -122,20 +134,22 @@ def prompt_logprobs_step(model: Llama, hidden: jax.Array, targets: jax.Array, ke
 
 
 def step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, *, shape: StepShape, page_size: int,
-         kernels: Kernels) -> tuple[KVCache, SlotState, SampleOutput, PromptLogprobs | None]:
+         kernels: Kernels, sharder: Sharder | None = None
+         ) -> tuple[KVCache, SlotState, SampleOutput, PromptLogprobs | None]:
     """One whole step (compiled per StepShape, kv and slots donated): forward, prompt logprobs (prefill shapes,
     behind lax.cond on the flag), sampling. Prompt logprobs read their targets from the token buffer before
     sampling writes into it, as the forward pass reads its input tokens."""
     kv, out = model_step(graphdef, params, kv, slots.tokens, inputs, shape=shape, page_size=page_size,
                          kernels=kernels)
+    logits = gather_logits(out.logits, sharder)
     prompt_lp = None
     if shape.kind == "prefill":
         targets = slots.tokens[out.token_slots, out.positions + 1]
         prompt_lp = jax.lax.cond(
             inputs.flags[FLAG_PROMPT_LOGPROBS],
-            lambda: prompt_logprobs_step(nnx.merge(graphdef, params), out.hidden, targets, kernels),
+            lambda: prompt_logprobs_step(nnx.merge(graphdef, params), out.hidden, targets, kernels, sharder),
             lambda: PromptLogprobs.zeros(shape.tokens))
-    slots, sampled = sample_step(out.logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask,
+    slots, sampled = sample_step(logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask,
                                  inputs.flags)
     return kv, slots, sampled, prompt_lp
 
@@ -202,7 +216,8 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _lower_step(self, shape: StepShape):
-        fn = functools.partial(step, self.graphdef, shape=shape, page_size=self.page_size, kernels=self.kernels)
+        fn = functools.partial(step, self.graphdef, shape=shape, page_size=self.page_size, kernels=self.kernels,
+                               sharder=self.sharder)
         kv_shardings = jax.tree.map(lambda x: x.sharding, self.kv)
         r = self.replicated
         return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(
