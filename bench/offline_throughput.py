@@ -83,7 +83,7 @@ def run_batch_replicas(front: LLMEngine, n: int, args) -> dict:
                 output_len=args.output_len, data_parallel_size=len(front.core.replicas),
                 tensor_parallel_size=first.config.tensor_parallel_size, total_s=round(wall, 3),
                 out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
-                attention=first.attention_impl, device=jax.devices()[0].device_kind, host=platform.node(),
+                attention=first.kernels.attention_name, device=jax.devices()[0].device_kind, host=platform.node(),
                 ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
@@ -96,24 +96,24 @@ def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20, unstac
     dynamic slice in place, that removes the per-layer weight copies a scan makes, so it is the true floor there
     (it needs a second copy of the weights: CPU only)."""
     model = nnx.merge(engine.core.runner.graphdef, engine.core.runner.params)
-    impl = engine.core.matmul_impl
+    kernels = engine.core.kernels
     graphdef, stacked = nnx.split(model.layers)
 
     def one_layer(x, layer_state):
         layer = nnx.merge(graphdef, layer_state)
-        q, k, v = (dense(x, w, "te,ehd->thd", impl=impl) for w in (layer.wq, layer.wk, layer.wv))
-        attn = dense(q, layer.wo, "thd,hde->te", impl=impl)
-        gate, up = dense(x, layer.w_gate, "te,ef->tf", impl=impl), dense(x, layer.w_up, "te,ef->tf", impl=impl)
-        mlp = dense(gate * up, layer.w_down, "tf,fe->te", impl=impl)
+        q, k, v = (dense(x, w, "te,ehd->thd", kernels=kernels) for w in (layer.wq, layer.wk, layer.wv))
+        attn = dense(q, layer.wo, "thd,hde->te", kernels=kernels)
+        gate, up = (dense(x, w, "te,ef->tf", kernels=kernels) for w in (layer.w_gate, layer.w_up))
+        mlp = dense(gate * up, layer.w_down, "tf,fe->te", kernels=kernels)
         return x + attn + mlp + (k.sum() + v.sum()).astype(x.dtype), None
 
     def scanned(x, stacked):
-        return model.logits(jax.lax.scan(one_layer, x, stacked)[0], impl)
+        return model.logits(jax.lax.scan(one_layer, x, stacked)[0], kernels)
 
     def unrolled(x, per_layer):
         for layer_state in per_layer:
             x, _ = one_layer(x, layer_state)
-        return model.logits(x, impl)
+        return model.logits(x, kernels)
 
     weights = stacked
     if unstacked:
@@ -152,7 +152,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
                 decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
                 device_s=round(device_seconds, 3), host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
-                attention=engine.core.attention_impl, device=jax.devices()[0].device_kind,
+                attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         engine = LLMEngine(model, config.replace(tensor_parallel_size=tp), show_progress=False)
         tokens[tp], step = greedy(engine, prompts, args.new_tokens)
-        record[f"tp{tp}"] = {"mesh": engine.core.sharder.describe(), "attention": engine.core.attention_impl,
+        record[f"tp{tp}"] = {"mesh": engine.core.sharder.describe(), "attention": engine.core.kernels.attention_name,
                              "decode_step_ms": round(step * 1e3, 3), "seconds": round(time.perf_counter() - start, 1)}
         del engine
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)

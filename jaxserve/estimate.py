@@ -198,12 +198,12 @@ def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> i
     """The engine's own measurement (ModelRunner.measure_transients on its largest step shapes, against the
     largest cache it would allocate), made on this machine's backend from abstract weights: nothing is allocated.
     On another backend than the target's, this is the XLA of this machine's figure."""
-    from jaxserve.engine.engine import resolve_attention, resolve_matmul
     from jaxserve.engine.runner import ModelRunner
+    from jaxserve.models.kernels import Kernels
     max_len = engine.resolved_max_model_len(cfg)
     np_dtype = numpy_dtype(dtype)
     kv_dtype = kv_quant.kv_storage_dtype(engine.kv_cache_dtype, np_dtype)
-    attention = resolve_attention(engine.attention, kv_dtype)
+    kernels = Kernels.resolve(engine.attention, engine.matmul, kv_dtype)
     sharder = model_sharder(cfg, engine_mesh(engine), np_dtype)
     graphdef, state = nnx.split(abstract_model(cfg, np_dtype))
 
@@ -217,10 +217,10 @@ def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> i
                                                 engine.page_size, cfg.head_dim, kv_dtype),
                           lambda a: kv_cache_shardings(a, sharder))
     slots = abstract_on_mesh(lambda: SlotState.zeros(engine.max_num_seqs + 1, max_len), lambda a: sharder.replicated)
-    buckets = engine_buckets(engine, max_len, attention)
+    buckets = engine_buckets(engine, max_len, kernels.attention_name)
     options = ({"xla_backend_optimization_level": engine.xla_optimization_level}
                if engine.xla_optimization_level is not None else None)
-    runner = ModelRunner(model, kv, slots, buckets, attention, options, resolve_matmul(engine.matmul), sharder)
+    runner = ModelRunner(model, kv, slots, buckets, kernels, options, sharder)
     return runner.measure_transients(buckets.largest_shapes())
 
 

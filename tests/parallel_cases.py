@@ -81,7 +81,7 @@ def placement(engine: LLMEngine) -> dict:
     flat = nnx.to_flat_state(engine.core.runner.params)
     weights = {"/".join(map(str, path)): describe(var.get_value()) for path, var in flat}
     steps = {}
-    for shape, executable in engine.core.runner.model_executables.items():
+    for shape, executable in engine.core.runner.executables.items():
         collectives = Counter(f"{m.group(2)} {m.group(1)}" for m in map(COLLECTIVE.search,
                                                                          executable.as_text().splitlines()) if m)
         steps[str(shape)] = {"collectives": dict(collectives),

@@ -14,7 +14,8 @@ import pytest
 from conftest import HF_FIXTURES
 from jaxserve import cpu
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import LLMEngine, resolve_attention
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.models.kernels import resolve_attention
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.testing import (PagedShape, decode_lengths, decode_problem, ragged_mix, ragged_problem,
@@ -103,7 +104,7 @@ def test_engine_greedy_matches_xla_and_transformers(converted, family):
     tokens = {}
     for impl in ("xla", "cpu"):
         engine = LLMEngine.from_model_dir(converted(family), SMALL.replace(attention=impl), show_progress=False)
-        assert engine.core.attention_impl == impl
+        assert engine.core.kernels.attention_name == impl
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         finals = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()}

@@ -161,12 +161,13 @@ def test_mixed_traffic_never_compiles(engine):
                 for i, p in enumerate(prompts)]
     run_staggered(engine, requests, per_step=2)
     assert len(compiles) == before
+    assert engine.core.runner.num_executables == len(engine.buckets.shapes())  # one executable per step shape
 
 
 def test_steps_update_the_cache_in_place(engine):
     kv = engine.core.runner.kv
     cache_type = f"f32[{','.join(map(str, kv.k.shape))}]"
-    for shape, executable in engine.core.runner.model_executables.items():
+    for shape, executable in engine.core.runner.executables.items():
         analysis = executable.memory_analysis()
         assert analysis.alias_size_in_bytes >= engine.core.kv_plan.cache_bytes, shape  # donated cache = output cache
         copies = [line for line in executable.as_text().splitlines()
@@ -195,6 +196,14 @@ def test_prompt_logprobs_match_the_reference_forward(engine, model):
         assert entry.token_id == prompt[pos]
         assert entry.logprob == pytest.approx(float(lp[pos - 1, prompt[pos]]), abs=1e-4)
         assert len(entry.top) == 2
+
+
+def test_prompt_logprobs_of_a_one_token_prompt(engine, reference):
+    """A one-token prompt's first step is decode-shaped; asking for prompt logprobs runs it in a prefill shape."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    out = run_staggered(engine, [("one", [11], params)])["one"]
+    assert out.prompt_logprobs == [None]
+    assert list(out.outputs[0].token_ids) == reference([11], 3)
 
 
 def test_n_samples_share_a_prompt_and_differ(engine):

@@ -24,7 +24,7 @@ def test_pallas_attention_matches_xla_greedy(converted, family):
     tokens = {}
     for impl in ("xla", "pallas"):
         engine = LLMEngine.from_model_dir(model_dir, SMALL.replace(attention=impl), show_progress=False)
-        assert engine.core.attention_impl == impl
+        assert engine.core.kernels.attention_name == impl
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         finals = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()}

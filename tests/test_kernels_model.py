@@ -1,4 +1,4 @@
-"""The kernels behind the model's attention dispatch: impl="pallas" must agree with impl="xla".
+"""The kernels behind the model's attention: the Pallas bundle must agree with the XLA one.
 
 Goes through jaxserve.models.attention.paged_attention exactly as a model layer does (write this step's K/V,
 then attend), with metadata built by AttentionMetadata.build, for a decode step and a mixed step.
@@ -16,6 +16,7 @@ import pytest
 
 from jaxserve.kv.cache import AttentionMetadata
 from jaxserve.models import attention
+from jaxserve.models.kernels import Kernels
 from pallas_kernels.testing import PagedShape, block_tables_for, random_pool, random_queries, tolerance
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
@@ -40,7 +41,8 @@ def _both_impls(rng, shape, query_lens, context_lens, num_tokens, is_decode, win
     layer = jnp.int32(1)
     outs = {}
     for impl in ("xla", "pallas"):
-        step = jax.jit(functools.partial(attention.paged_attention, sliding_window=window, impl=impl),
+        step = jax.jit(functools.partial(attention.paged_attention, sliding_window=window,
+                                         kernels=Kernels.resolve(impl, "xla")),
                        compiler_options=FAST_COMPILE)
         outs[impl] = step(q, k, v, cache_k, cache_v, layer, meta)
     for a, b in zip(outs["xla"], outs["pallas"]):

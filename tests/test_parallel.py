@@ -29,6 +29,7 @@ from jaxserve.engine.replicas import ReplicaRouter, least_loaded
 from jaxserve.engine.runner import StepInputs, model_step
 from jaxserve.engine.sampler import slot_row
 from jaxserve.kv.cache import CACHE_AXES, KVCache
+from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import abstract_model
 from jaxserve.parallel import MeshError, Sharder, make_mesh
 from jaxserve.parallel.multihost import StepChannel
@@ -365,8 +366,8 @@ def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch, shap
     s = shape.seqs
     inputs = StepInputs(i32(s, 4), i32(s), i32(s + 1), i32(s), jax.ShapeDtypeStruct((s,), jnp.bool_),
                         jax.ShapeDtypeStruct((6,), jnp.bool_))
-    step = functools.partial(model_step, graphdef, shape=shape, page_size=16, attention_impl="pallas",
-                             matmul_impl="pallas")
+    step = functools.partial(model_step, graphdef, shape=shape, page_size=16,
+                             kernels=Kernels.resolve("pallas", "pallas"))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks compiled kernels, not interpret
     pair = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
     with jax.sharding.use_abstract_mesh(pair):

@@ -123,7 +123,7 @@ def paged_model(model_dir: Path) -> PagedModel:
         meta = AttentionMetadata.build(block_table, jnp.asarray(context_len, jnp.int32)[None], query_start,
                                        tokens.shape[0], PAGE_SIZE, is_decode)
         decoder = nnx.merge(graphdef, state)
-        hidden, cache = decoder(tokens, cache, meta, "xla")
+        hidden, cache = decoder(tokens, cache, meta)
         return decoder.logits(hidden), cache
 
     return PagedModel(model, functools.partial(step, state))

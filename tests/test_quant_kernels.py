@@ -1,7 +1,7 @@
 """Quantized kernels: the W8A16 / W4A16 matmul and the attention kernels over int8 / fp8 KV caches.
 
 Interpret mode on CPU against the pure-jnp references (JAXSERVE_KERNEL_INTERPRET=0 runs them compiled on a GPU,
-as bench/gpu_check.sh does), the model's dispatch (impl="pallas" == impl="xla"), CUDA cross-lowering for an
+as bench/gpu_check.sh does), the model's kernels bundle (Pallas == XLA), CUDA cross-lowering for an
 abstract H200, and, where the `triton` package is installed, an offline sm_90 compile of the Triton IR.
 """
 
@@ -18,6 +18,7 @@ import pytest
 from jaxserve.config import env_str
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import attention
+from jaxserve.models.kernels import Kernels
 from jaxserve.models.linear import QuantizedWeight, dense
 from jaxserve.quant import kv, schemes
 from pallas_kernels import paged_attention as pa
@@ -122,7 +123,7 @@ def test_dense_dispatch_pallas_equals_xla(rng, scheme):
         x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
         expected = jnp.einsum(spec, x, weight.dequantize())
         for impl in ("xla", "pallas"):
-            got = dense(x, weight, spec, impl=impl)
+            got = dense(x, weight, spec, kernels=Kernels.resolve("xla", impl))
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(jnp.abs(expected).max()))
 
 
@@ -171,7 +172,7 @@ def test_ragged_kernel_over_quantized_cache_matches_reference(rng, cache_dtype):
 @pytest.mark.parametrize("cache_dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("is_decode", [True, False])
 def test_model_attention_dispatch_over_quantized_cache(rng, cache_dtype, is_decode):
-    """attend_paged writes (quantizing) and attends: impl="pallas" == impl="xla", and both stay close to the
+    """attend_paged writes (quantizing) and attends: Pallas kernels == XLA ones, and both stay close to the
     same step over a float cache."""
     shape = PagedShape(group=2, head_dim=32, page_size=8)
     query_lens, context_lens = ([1, 1, 1, 0], [5, 19, 40, 0]) if is_decode else ([9, 1, 20, 0], [9, 30, 37, 0])
@@ -186,8 +187,9 @@ def test_model_attention_dispatch_over_quantized_cache(rng, cache_dtype, is_deco
     quant_cache = _quantize_cache(float_cache, cache_dtype)
     outs = {}
     for impl, cache in (("xla", quant_cache), ("pallas", quant_cache), ("float", float_cache)):
-        step = jax.jit(functools.partial(attention.attend_paged, sliding_window=None,
-                                         impl="xla" if impl == "float" else impl), compiler_options=COMPILER_OPTIONS)
+        kernels = Kernels.resolve("xla" if impl == "float" else impl, "xla")
+        step = jax.jit(functools.partial(attention.attend_paged, sliding_window=None, kernels=kernels),
+                       compiler_options=COMPILER_OPTIONS)
         outs[impl] = step(q, k, v, cache, jnp.int32(1), meta)
     np.testing.assert_allclose(outs["pallas"][0], outs["xla"][0], **tolerance("float32"))
     for a, b in zip(jax.tree.leaves(outs["pallas"][1]), jax.tree.leaves(outs["xla"][1])):

@@ -125,11 +125,11 @@ class BucketTable:
         return StepShape("prefill", t, s, _fit(self.page_sizes, max_pages, "pages per sequence"))
 
 
-def engine_buckets(config: EngineConfig, max_model_len: int, attention_impl: str) -> BucketTable:
+def engine_buckets(config: EngineConfig, max_model_len: int, attention_name: str) -> BucketTable:
     """The engine's table from its config, checked to cover every plan the scheduler can make."""
     max_pages = -(-max_model_len // config.page_size)
     context = config.context_buckets and tuple(-(-t // config.page_size) for t in config.context_buckets)
-    if attention_impl == "pallas" and not context:
+    if attention_name == "pallas" and not context:
         context = (max_pages,)  # the kernels read only the pages a sequence has
     table = BucketTable.build(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                               decode_sizes=config.decode_buckets, token_sizes=config.prefill_token_buckets,

@@ -35,6 +35,7 @@ from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import NullMeter, StepMeter, StepRecord
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
+from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama, numpy_dtype
 from jaxserve.outputs import OutputKind, RequestOutput, TokenLogprob
 from jaxserve.parallel import multihost
@@ -46,28 +47,6 @@ from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Sched
 from jaxserve.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
-
-
-def resolve_attention(impl: str, kv_dtype) -> str:
-    """`auto`: the Pallas kernels on a GPU; on a CPU the C++ kernel for float caches if it builds, else XLA."""
-    if impl == "auto":
-        backend = jax.default_backend()
-        if backend == "gpu":
-            return "pallas"
-        from jaxserve import cpu
-        return "cpu" if backend == "cpu" and cpu.supports(kv_dtype) and cpu.available() else "xla"
-    if impl not in ("pallas", "xla", "cpu"):
-        raise ValueError(f"attention must be auto, pallas, cpu or xla, not {impl!r}")
-    return impl
-
-
-def resolve_matmul(impl: str) -> str:
-    """For quantized weights: `auto` is the Pallas kernel on a GPU, XLA elsewhere."""
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl not in ("pallas", "xla"):
-        raise ValueError(f"matmul must be auto, pallas or xla, not {impl!r}")
-    return impl
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
@@ -90,8 +69,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = config.resolved_max_model_len(model.cfg)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
-        self.attention_impl = resolve_attention(config.attention, self.kv_dtype)
-        self.matmul_impl = resolve_matmul(config.matmul)  # used by quantized weights only
+        self.kernels = Kernels.resolve(config.attention, config.matmul, self.kv_dtype)  # chosen once, here
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)
@@ -102,14 +80,13 @@ class EngineCore:
                    if config.xla_optimization_level is not None else None)
         started = time.perf_counter()
         largest = self._cache(abstract_on_mesh, wanted_pages(config, self.max_model_len))  # measured against
-        self.runner = ModelRunner(model, largest, slots, self.buckets, self.attention_impl, options,
-                                  self.matmul_impl, self.sharder)
+        self.runner = ModelRunner(model, largest, slots, self.buckets, self.kernels, options, self.sharder)
         self.runner.mirror = leader_mirror()
         self.kv_plan = self._plan_kv(free, self.runner.measure_transients(self.buckets.largest_shapes()))
         self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages))
         self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         self.compile_seconds = time.perf_counter() - started
-        self.temporaries = transient_bytes(self.runner.executables)  # every shape's, now that all are compiled
+        self.temporaries = transient_bytes(self.runner.executables.values())  # every shape's, now that all are compiled
         self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -124,7 +101,7 @@ class EngineCore:
         plan = self.kv_plan
         log.info("engine ready: %s attention, weights %s (%.1f MiB), step temporaries %.1f MiB (+%.1f MiB margin), "
                  "KV cache %s: %d pages of %d tokens (%.1f MiB), of %.1f MiB free per device; %d executables "
-                 "compiled in %.1fs, %s", self.attention_impl, self.weights_description, self.weight_bytes / 2**20,
+                 "compiled in %.1fs, %s", self.kernels.attention_name, self.weights_description, self.weight_bytes / 2**20,
                  self.temporaries / 2**20, plan.margin / 2**20, self.kv_dtype.name, plan.num_pages, plan.page_size,
                  plan.cache_bytes / 2**20, plan.free_bytes / 2**20, self.runner.num_executables,
                  self.compile_seconds, self.sharder.describe())
@@ -151,7 +128,7 @@ class EngineCore:
         if cfg.quantization is None and cfg.lm_head_quantization is None:
             return jnp.dtype(self.runner.params["embed"][...].dtype).name
         head = f", LM head {cfg.lm_head_quantization or 'float'}" if not cfg.tie_word_embeddings else ""
-        return f"{cfg.quantization or 'float'} ({self.matmul_impl} matmul{head})"
+        return f"{cfg.quantization or 'float'} ({self.kernels.matmul_name} matmul{head})"
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
@@ -192,7 +169,7 @@ class EngineCore:
             self.runner.mirror = None
 
     def _buckets(self) -> BucketTable:
-        return engine_buckets(self.config, self.max_model_len, self.attention_impl)
+        return engine_buckets(self.config, self.max_model_len, self.kernels.attention_name)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

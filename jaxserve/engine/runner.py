@@ -3,9 +3,11 @@
     device state   params (read-only), KVCache (donated), SlotState (donated)
     executables    one per StepShape in the BucketTable, compiled ahead of time; plus assign_slot
 
-A step is `(params, kv, slots, inputs) -> (kv, slots, outputs)`. Inputs are a handful of small int32 arrays per
-step (block tables, context lengths, query starts, row slots, sample mask, flags); tokens are read on device from
-the slot token buffer, and only the sampled ids (and, when asked, logprobs) come back.
+A step is `(params, kv, slots, inputs) -> (kv, slots, outputs)`: the forward pass, sampling and the sampled
+tokens' logprobs (and, in prefill shapes, prompt logprobs) in one executable, so the logits never leave it. Inputs
+are a handful of small int32 arrays per step (block tables, context lengths, query starts, row slots, sample
+mask, flags); tokens are read on device from the slot token buffer, and only the sampled ids (and, when asked,
+logprobs) come back.
 
 On a mesh (jaxserve.parallel, tensor parallelism): params and the KV cache arrive placed on it (engine/placement),
 every executable is traced under the mesh and pins its outputs (the cache keeps its sharding, everything else is
@@ -29,8 +31,10 @@ from flax import nnx
 
 from jaxserve.engine.buckets import BucketError, BucketTable, StepShape
 from jaxserve.engine.memory import transient_bytes
-from jaxserve.engine.sampler import SampleOutput, SamplingFlags, SlotState, assign_slot, sample
+from jaxserve.engine.sampler import (FLAG_PROMPT_LOGPROBS, SampleOutput, SamplingFlags, SlotState, assign_slot,
+                                     sample)
 from jaxserve.kv.cache import AttentionMetadata, KVCache
+from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama
 from jaxserve.parallel import RULES, Sharder, single_device_mesh
 from jaxserve.sampling_params import MAX_TOP_LOGPROBS
@@ -67,11 +71,15 @@ class PromptLogprobs:
     top_ids: jax.Array  # [T, MAX_TOP_LOGPROBS] int32
     top_logprobs: jax.Array  # [T, MAX_TOP_LOGPROBS] float32
 
+    @classmethod
+    def zeros(cls, num_tokens: int) -> "PromptLogprobs":
+        return cls(jnp.zeros((num_tokens,), jnp.float32), jnp.zeros((num_tokens, MAX_TOP_LOGPROBS), jnp.int32),
+                   jnp.zeros((num_tokens, MAX_TOP_LOGPROBS), jnp.float32))
+
 
 def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: StepInputs, *, shape: StepShape,
-               page_size: int, attention_impl: str, matmul_impl: str = "xla") -> tuple[KVCache, ModelOutputs]:
-    """The forward pass of one step (compiled per StepShape, kv donated). Input tokens come from the slots'
-    token buffer on device."""
+               page_size: int, kernels: Kernels) -> tuple[KVCache, ModelOutputs]:
+    """The forward pass of one step. Input tokens come from the slots' token buffer on device."""
     model: Llama = nnx.merge(graphdef, params)
     num_seqs, num_tokens = shape.seqs, shape.tokens
     is_decode = shape.kind == "decode"
@@ -80,33 +88,42 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
                                    is_decode=is_decode)
     valid = meta.seq_ids < num_seqs
     token_slots = jnp.where(valid, inputs.row_slots[jnp.minimum(meta.seq_ids, num_seqs - 1)], 0)
-    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, attention_impl, matmul_impl)
+    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels)
     last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
-    return kv, ModelOutputs(model.logits(hidden[last], matmul_impl), hidden, token_slots, meta.positions)
+    return kv, ModelOutputs(model.logits(hidden[last], kernels), hidden, token_slots, meta.positions)
 
 
 def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, context_lens: jax.Array,
                 sample_mask: jax.Array, flags: jax.Array) -> tuple[SlotState, SampleOutput]:
-    """Sampling (compiled per sequence count S, slots donated): draws each row's token and appends it to the
-    row's token history when the row samples."""
+    """Sampling: draws each row's token and appends it to the row's token history when the row samples."""
     out = sample(logits, slots, row_slots, context_lens, flags)
     write_at = jnp.where(sample_mask, context_lens, slots.tokens.shape[1])
     tokens = slots.tokens.at[row_slots, write_at].set(out.tokens, mode="drop")
     return dataclasses.replace(slots, tokens=tokens), out
 
 
-def prompt_logprobs_step(graphdef, params, hidden: jax.Array, token_buffer: jax.Array, token_slots: jax.Array,
-                         positions: jax.Array, matmul_impl: str = "xla") -> PromptLogprobs:
-    """log p(token at position + 1 | prefix) for every token of a step, in chunks of rows (compiled per T)."""
-    model: Llama = nnx.merge(graphdef, params)
-    targets = token_buffer[token_slots, positions + 1]
+def gather_logits(logits: jax.Array, sharder: Sharder | None) -> jax.Array:
+    """[rows, vocab] logits whole on every device for the sampler: computed vocab-parallel as the LM head's
+    weight lies, then gathered (one all-gather of the logits under tensor parallelism). Pinning only the
+    replicated result lets GSPMD gather the LM head's weight instead; pinning nothing splits every reduction of
+    the sampler (argmax, softmax, top-k, sorts) over the vocab shards."""
+    if sharder is None:
+        return logits
+    logits = jax.lax.with_sharding_constraint(logits, sharder.sharding((None, "vocab")))
+    return jax.lax.with_sharding_constraint(logits, sharder.replicated)
+
+
+def prompt_logprobs_step(model: Llama, hidden: jax.Array, targets: jax.Array, kernels: Kernels,
+                         sharder: Sharder | None = None) -> PromptLogprobs:
+    """log p(targets | prefix) for every token of a step (hidden [T, hidden], targets [T]), in chunks of rows so
+    that only [chunk, vocab] logits exist at a time (gathered whole, like the sampler's)."""
     t = hidden.shape[0]
     chunk = min(PROMPT_LOGPROB_CHUNK, t)
     pad = -t % chunk
 
     def one_chunk(args):
         h, tgt = args
-        lp = jax.nn.log_softmax(model.logits(h, matmul_impl), axis=-1)
+        lp = jax.nn.log_softmax(gather_logits(model.logits(h, kernels), sharder), axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
         return jnp.take_along_axis(lp, tgt[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
@@ -115,6 +132,27 @@ def prompt_logprobs_step(graphdef, params, hidden: jax.Array, token_buffer: jax.
     chosen, top_ids, top_lp = jax.lax.map(one_chunk, (h, tg))
     return PromptLogprobs(chosen.reshape(-1)[:t], top_ids.reshape(-1, MAX_TOP_LOGPROBS)[:t],
                           top_lp.reshape(-1, MAX_TOP_LOGPROBS)[:t])
+
+
+def step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, *, shape: StepShape, page_size: int,
+         kernels: Kernels, sharder: Sharder | None = None
+         ) -> tuple[KVCache, SlotState, SampleOutput, PromptLogprobs | None]:
+    """One whole step (compiled per StepShape, kv and slots donated): forward, prompt logprobs (prefill shapes,
+    behind lax.cond on the flag), sampling. Prompt logprobs read their targets from the token buffer before
+    sampling writes into it, as the forward pass reads its input tokens."""
+    kv, out = model_step(graphdef, params, kv, slots.tokens, inputs, shape=shape, page_size=page_size,
+                         kernels=kernels)
+    logits = gather_logits(out.logits, sharder)
+    prompt_lp = None
+    if shape.kind == "prefill":
+        targets = slots.tokens[out.token_slots, out.positions + 1]
+        prompt_lp = jax.lax.cond(
+            inputs.flags[FLAG_PROMPT_LOGPROBS],
+            lambda: prompt_logprobs_step(nnx.merge(graphdef, params), out.hidden, targets, kernels, sharder),
+            lambda: PromptLogprobs.zeros(shape.tokens))
+    slots, sampled = sample_step(logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask,
+                                 inputs.flags)
+    return kv, slots, sampled, prompt_lp
 
 
 @dataclasses.dataclass
@@ -130,15 +168,21 @@ class PendingStep:
 
 
 class ModelRunner:
-    """Three executable families, all compiled at start-up:
+    """One executable per step shape, all compiled at start-up:
 
-        model[StepShape]   (params, kv, token buffer, inputs) -> (kv, logits, hidden...)
-        sample[S]          (logits, slots, inputs) -> (slots, sampled tokens)
-        prompt_lp[T]       (params, hidden, token buffer, ...) -> prompt logprobs   (prefill token counts only)
+        step[StepShape]   (params, kv, slots, inputs) -> (kv, slots, sampled, prompt logprobs | None)
+
+    Forward pass, sampling and sampled-token logprobs are fused, so the [S, vocab] logits stay inside the
+    executable. Prompt logprobs (prefill shapes only) sit behind `lax.cond` on the step's PROMPT_LOGPROBS flag
+    rather than in a second variant per shape: the table keeps one executable per shape (half the compile time of
+    two variants), and a step without prompt logprobs skips their [T, vocab] LM-head pass at run time, paying only
+    the zero-filled [T, 1 + 2 * MAX_TOP_LOGPROBS] outputs the untaken branch returns. Their scratch (one
+    [chunk, vocab] block) counts in every prefill executable's temporary memory either way. A decode-only plan
+    that asks for prompt logprobs (one-token prompts) runs in a prefill shape; decode shapes have no such branch.
     """
 
-    def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, attention_impl: str,
-                 compiler_options: dict | None = None, matmul_impl: str = "xla", sharder: Sharder | None = None):
+    def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, kernels: Kernels,
+                 compiler_options: dict | None = None, sharder: Sharder | None = None):
         self.sharder = sharder or Sharder(single_device_mesh(), RULES)
         self.replicated = self.sharder.replicated  # slots, step inputs and every output but the cache
         self.mirror = None  # multi-host leader: jaxserve.engine.multihost.StepMirror, told each device call first
@@ -148,27 +192,19 @@ class ModelRunner:
         self.kv, self.slots = kv, slots
         self.buckets = buckets
         self.page_size = kv.page_size
-        self.attention_impl = attention_impl
-        self.matmul_impl = matmul_impl  # quantized weights only: "pallas" or "xla"
-        self.model_executables: dict[StepShape, Callable] = {}
-        self.sample_executables: dict[int, Callable] = {}
-        self.prompt_lp_executables: dict[int, Callable] = {}
+        self.kernels = kernels
+        self.executables: dict[StepShape, Callable] = {}
         self._assign = jax.jit(assign_slot, donate_argnums=0, out_shardings=self.replicated)
 
     @property
     def num_executables(self) -> int:
         return len(self.executables)
 
-    @property
-    def executables(self) -> list[jax.stages.Compiled]:
-        return [*self.model_executables.values(), *self.sample_executables.values(),
-                *self.prompt_lp_executables.values()]
-
     def set_cache(self, kv: KVCache) -> None:
         """Replaces the cache (or the abstract stand-in it was compiled against); the step executables compiled
         for another page count are dropped."""
         if jax.tree.map(lambda x: x.shape, kv) != jax.tree.map(lambda x: x.shape, self.kv):
-            self.model_executables.clear()
+            self.executables.clear()
         self.kv = kv
 
     # ---- compilation ----------------------------------------------------------------------------------------
@@ -183,20 +219,13 @@ class ModelRunner:
         """Compiles the executables of `shapes` (kept for compile_all) and returns the most transient bytes one
         of them needs (jaxserve.engine.memory.transient_bytes)."""
         self.compile_shapes(shapes)
-        compiled = [self.model_executables[s] for s in shapes] + [self.sample_executables[s.seqs] for s in shapes]
-        compiled += [self.prompt_lp_executables[s.tokens] for s in shapes if s.kind == "prefill"]
-        return transient_bytes(compiled)
+        return transient_bytes([self.executables[s] for s in shapes])
 
     def compile_shapes(self, shapes: list[StepShape], progress: Callable | None = None,
                        workers: int | None = None) -> None:
         with jax.set_mesh(self.sharder.mesh):  # shard_map inside the model finds its mesh here
-            jobs = [(self.model_executables, shape, self._lower_model(shape)) for shape in shapes
-                    if shape not in self.model_executables]
-            jobs += [(self.sample_executables, s, self._lower_sample(s)) for s in sorted({x.seqs for x in shapes})
-                     if s not in self.sample_executables]
-            jobs += [(self.prompt_lp_executables, t, self._lower_prompt_lp(t))
-                     for t in sorted({x.tokens for x in shapes if x.kind == "prefill"})
-                     if t not in self.prompt_lp_executables]
+            jobs = [(self.executables, shape, self._lower_step(shape)) for shape in shapes
+                    if shape not in self.executables]
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             futures = {pool.submit(lowered.compile, self.compiler_options): (table, key)
                        for table, key, lowered in jobs}
@@ -205,25 +234,13 @@ class ModelRunner:
                 table, key = futures[future]
                 table[key] = future.result()
 
-    def _lower_model(self, shape: StepShape):
-        fn = functools.partial(model_step, self.graphdef, shape=shape, page_size=self.page_size,
-                               attention_impl=self.attention_impl, matmul_impl=self.matmul_impl)
+    def _lower_step(self, shape: StepShape):
+        fn = functools.partial(step, self.graphdef, shape=shape, page_size=self.page_size, kernels=self.kernels,
+                               sharder=self.sharder)
         kv_shardings = jax.tree.map(lambda x: x.sharding, self.kv)
-        return jax.jit(fn, donate_argnums=1, out_shardings=(kv_shardings, self.replicated)).lower(
-            self.params, self.kv, self.slots.tokens, self.abstract_inputs(shape))
-
-    def _lower_sample(self, num_seqs: int):
-        logits = jax.ShapeDtypeStruct((num_seqs, self.cfg.vocab_size), jnp.float32, sharding=self.replicated)
-        i = self.abstract_inputs(StepShape("decode", num_seqs, num_seqs, 1))
-        return jax.jit(sample_step, donate_argnums=1, out_shardings=self.replicated).lower(
-            logits, self.slots, i.row_slots, i.context_lens, i.sample_mask, i.flags)
-
-    def _lower_prompt_lp(self, num_tokens: int):
-        i32 = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
-        hidden = jax.ShapeDtypeStruct((num_tokens, self.cfg.hidden_size), self.params["embed"][...].dtype,
-                                      sharding=self.replicated)
-        fn = functools.partial(prompt_logprobs_step, self.graphdef, matmul_impl=self.matmul_impl)
-        return jax.jit(fn, out_shardings=self.replicated).lower(self.params, hidden, self.slots.tokens, i32, i32)
+        r = self.replicated
+        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(
+            self.params, self.kv, self.slots, self.abstract_inputs(shape))
 
     def abstract_inputs(self, shape: StepShape) -> StepInputs:
         s, p = shape.seqs, shape.pages
@@ -237,35 +254,29 @@ class ModelRunner:
             self.mirror.assign(slot, row)
         self.slots = self._assign(self.slots, np.int32(slot), row)
 
-    def shape_for(self, plan: StepPlan) -> StepShape:
+    def shape_for(self, plan: StepPlan, prompt_logprobs: bool = False) -> StepShape:
         max_pages = max(len(row.pages) for row in plan.seqs)
-        if plan.is_decode and not any(row.prompt_logprobs for row in plan.seqs):  # prompt scoring: prefill only
+        if plan.is_decode and not prompt_logprobs:
             return self.buckets.decode_shape(len(plan.seqs), max_pages)
         return self.buckets.prefill_shape(plan.num_tokens, len(plan.seqs), max_pages)
 
     def dispatch(self, plan: StepPlan, flags: SamplingFlags) -> PendingStep:
         """Starts the step on the device and returns at once (JAX dispatch is asynchronous)."""
-        shape = self.shape_for(plan)
+        shape = self.shape_for(plan, flags.prompt_logprobs)
         sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags), flags.prompt_logprobs)
         return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
 
     def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool
             ) -> tuple[SampleOutput, PromptLogprobs | None]:
-        """The executables of one step, on padded inputs (a multi-host follower calls this with the leader's)."""
-        executable = self.model_executables.get(shape)
+        """The step's executable on padded inputs (a multi-host follower calls this with the leader's). Prompt
+        logprobs are computed when inputs.flags asks for them; `prompt_logprobs` says whether to hand them back."""
+        executable = self.executables.get(shape)
         if executable is None:
             raise BucketError(f"{shape} is not in the compiled table")
         if self.mirror is not None:
             self.mirror.step(shape, inputs, prompt_logprobs)
-        self.kv, model_out = executable(self.params, self.kv, self.slots.tokens, inputs)
-        prompt_lp = None
-        if prompt_logprobs:
-            prompt_lp = self.prompt_lp_executables[shape.tokens](self.params, model_out.hidden, self.slots.tokens,
-                                                                 model_out.token_slots, model_out.positions)
-        self.slots, sampled = self.sample_executables[shape.seqs](model_out.logits, self.slots, inputs.row_slots,
-                                                                  inputs.context_lens, inputs.sample_mask,
-                                                                  inputs.flags)
-        return sampled, prompt_lp
+        self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs)
+        return sampled, prompt_lp if prompt_logprobs else None
 
 
 def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags) -> StepInputs:

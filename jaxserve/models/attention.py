@@ -1,8 +1,8 @@
 """Paged attention as the models see it: write this step's K/V into the cache, then attend.
 
-One dispatch (`impl`): "xla" runs the jnp implementation below everywhere; "pallas" runs the kernels in
-`pallas_kernels` (compiled for GPU, interpreted on CPU); "cpu" runs the C++ kernel of jaxserve.cpu (float caches on
-the CPU backend). The engine resolves "auto" before tracing.
+The kernel comes from the engine's `Kernels` bundle (jaxserve.models.kernels), resolved once at start-up: the
+jnp implementations below ("xla", also the references of the other kernels), the Pallas kernels, or the C++ CPU
+kernel. This module calls whichever it was handed.
 
 Quantized caches (int8 with per-token scales, fp8; jaxserve.quant.kv) are dequantized on load by both paths:
 the cache values are cast to the query dtype, K's scales multiply the logits and V's the probabilities.
@@ -16,6 +16,7 @@ their KV heads. With fewer KV heads than devices everything stays whole (replica
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +25,22 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.parallel import shard_map_logical
 
+if TYPE_CHECKING:  # jaxserve.models.kernels imports the jnp implementations below
+    from jaxserve.models.kernels import Kernels
+
 BY_KV_HEAD = P(None, "kv_heads")  # q [T, kv_heads, q_per_kv, head_dim]; k, v, out [T, kv_heads, head_dim]
 
 XLA_QUERY_BLOCK = 16  # query tokens per block in the ragged XLA path
 
 
 def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
-                 meta: AttentionMetadata, *, sliding_window: int | None, impl: str) -> tuple[jax.Array, KVCache]:
+                 meta: AttentionMetadata, *, sliding_window: int | None, kernels: Kernels) -> tuple[jax.Array, KVCache]:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Writes k, v (quantizing them for an int8/fp8
     cache), then attends. Returns (out [T, heads, head_dim], the updated cache). Split over KV heads when a mesh
     is in context (see the module docstring)."""
     t, h, d = q.shape
     kvh = k.shape[1]
-    local = functools.partial(_attend_local_heads, sliding_window=sliding_window, impl=impl)
+    local = functools.partial(_attend_local_heads, sliding_window=sliding_window, kernels=kernels)
     cache_specs = cache.logical_specs()
     out, cache = shard_map_logical(local, in_specs=(BY_KV_HEAD, BY_KV_HEAD, BY_KV_HEAD, cache_specs, P(), P()),
                                    out_specs=(BY_KV_HEAD, cache_specs))(q.reshape(t, kvh, h // kvh, d), k, v, cache,
@@ -45,50 +49,23 @@ def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer
 
 
 def _attend_local_heads(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
-                        meta: AttentionMetadata, *, sliding_window: int | None, impl: str):
+                        meta: AttentionMetadata, *, sliding_window: int | None, kernels: Kernels):
     """attend_paged on the KV heads one device holds: q [T, kvh, q_per_kv, d] -> out [T, kvh, q_per_kv, d]."""
     t, kvh, group, d = q.shape
     q = q.reshape(t, kvh * group, d)
     cache = cache.write(layer, k, v, meta.slot_mapping)
-    scale = q.shape[-1] ** -0.5
-    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if impl == "pallas":
-        out = _pallas_attention(q, cache, layer, meta, scale, sliding_window)
-    elif impl == "cpu":
-        from jaxserve import cpu
-        out = cpu.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, meta.query_start,
-                                  scale=scale, sliding_window=sliding_window)
-    elif impl == "xla":
-        if meta.is_decode:
-            out = decode_attention_xla(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
-                                       scale=scale, sliding_window=sliding_window, **scales)
-        else:
-            out = ragged_attention_xla(q, cache.k, cache.v, layer, meta, scale=scale, sliding_window=sliding_window,
-                                       **scales)
-    else:
-        raise ValueError(f"attention impl must be 'xla', 'pallas' or 'cpu', got {impl!r}")
+    attend = kernels.decode_attention if meta.is_decode else kernels.attention
+    out = attend(q, cache, layer, meta, scale=d ** -0.5, sliding_window=sliding_window)
     return out.astype(q.dtype).reshape(t, kvh, group, d), cache
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                    layer: jax.Array, meta: AttentionMetadata, *, sliding_window: int | None, impl: str,
+                    layer: jax.Array, meta: AttentionMetadata, *, sliding_window: int | None, kernels: Kernels,
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """attend_paged on a float cache given as two pools. Returns (out [T, heads, head_dim], cache_k, cache_v)."""
     out, cache = attend_paged(q, k, v, KVCache(cache_k, cache_v), layer, meta, sliding_window=sliding_window,
-                              impl=impl)
+                              kernels=kernels)
     return out, cache.k, cache.v
-
-
-def _pallas_attention(q, cache: KVCache, layer, meta, scale, sliding_window):
-    from pallas_kernels import paged_attention as pa, ragged_paged_attention as rpa
-    interpret = jax.default_backend() != "gpu"
-    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if meta.is_decode:
-        return pa.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, scale=scale,
-                                  sliding_window=sliding_window, interpret=interpret, **scales)
-    return rpa.ragged_paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
-                                      meta.query_start, scale=scale, sliding_window=sliding_window,
-                                      interpret=interpret, **scales)
 
 
 def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:

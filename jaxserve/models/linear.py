@@ -1,11 +1,10 @@
 """The dense product every projection goes through, so that quantized weights plug in at one place.
 
-    dense(x, weight, "...te,ehd->...thd", impl=...)    weight: a float Param (or array), or a QuantizedWeight
+    dense(x, weight, "...te,ehd->...thd", kernels=...)    weight: a float Param (or array), or a QuantizedWeight
 
 A float weight is one einsum. A QuantizedWeight (int8 / int4, layouts in `jaxserve.quant.schemes`) is multiplied
 as a matrix: x's trailing `contract` dims are flattened to K, the weight is viewed as [K, N] (free reshapes),
-and `impl` picks the kernel like attention's dispatch: "pallas" runs `pallas_kernels.quant_matmul` (compiled on
-GPU, interpreted elsewhere), "xla" the jnp path. The engine resolves "auto" before tracing.
+and the product runs through `kernels.matmul`, the kernel the engine chose once (jaxserve.models.kernels).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models.kernels import XLA, Kernels
 from jaxserve.parallel import shard_map_logical
 from jaxserve.quant import schemes
 from jaxserve.quant.schemes import QuantizedLayout
@@ -38,23 +38,23 @@ class QuantizedWeight(nnx.Module):
         return schemes.dequantize(self.values[...], self.scales[...], self.contract, self.scheme, dtype)
 
 
-def dense(x: jax.Array, weight, spec: str, out_dtype=None, impl: str = "xla") -> jax.Array:
+def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XLA) -> jax.Array:
     """einsum(spec, x, weight) accumulated in float32, returned in `out_dtype` (default: x's dtype)."""
     if isinstance(weight, QuantizedWeight):
-        out = _quantized_dense(x, weight, spec, impl)
+        out = _quantized_dense(x, weight, spec, kernels)
     else:
         out = jnp.einsum(spec, x, weight[...], preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
 
 
-def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, impl: str) -> jax.Array:
+def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, kernels: Kernels) -> jax.Array:
     contract = weight.contract
     check_matrix_spec(spec, contract)
     values, scales = schemes.matrix(weight.values[...], weight.scales[...], contract, weight.scheme)
     k = values.shape[0] * (2 if weight.scheme == "int4" else 1)
     out_dims = weight.scales.shape if weight.scheme == "int8" else weight.scales.shape[1:]
-    matmul = functools.partial(quantized_matmul, scheme=weight.scheme, impl=impl)
-    if impl == "pallas":
+    matmul = functools.partial(kernels.matmul, scheme=weight.scheme)
+    if kernels.matmul_under_shard_map:
         matmul = _split_like_the_weight(matmul, weight)
     out = matmul(x.reshape(-1, k), values, scales)
     return out.reshape(x.shape[:x.ndim - contract] + tuple(out_dims))
@@ -71,16 +71,6 @@ def _split_like_the_weight(matmul, weight: QuantizedWeight):
     scales = P(n_axis) if weight.scheme == "int8" else P(k_axis, n_axis)
     return shard_map_logical(matmul, in_specs=(P(None, k_axis), P(k_axis, n_axis), scales),
                              out_specs=P(None, n_axis), sum_over=(k_axis,))
-
-
-def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, scheme: str, impl: str) -> jax.Array:
-    """x [M, K] @ quantized [K, N] (matrix views) -> [M, N] float32 through the `impl` dispatch."""
-    if impl == "pallas":
-        from pallas_kernels import quant_matmul as qm
-        return qm.quant_matmul(x, values, scales, scheme=scheme, interpret=jax.default_backend() != "gpu")
-    if impl == "xla":
-        return schemes.xla_matmul(x, values, scales, scheme)
-    raise ValueError(f"matmul impl must be 'xla' or 'pallas', got {impl!r}")
 
 
 def check_matrix_spec(spec: str, contract: int) -> None:

@@ -6,8 +6,8 @@ under `jax.lax.scan`, so compile time does not grow with depth.
 
 Forward contract (pure; the engine wraps it in jit with the cache donated):
 
-    hidden, cache = model(tokens [T], cache, meta, attention_impl, matmul_impl)
-    logits = model.logits(hidden[rows], matmul_impl)            # [rows, vocab] float32
+    hidden, cache = model(tokens [T], cache, meta, kernels)      # kernels: jaxserve.models.kernels.Kernels
+    logits = model.logits(hidden[rows], kernels)                # [rows, vocab] float32
 
 Quantized models (cfg.quantization, cfg.lm_head_quantization; see jaxserve.quant.schemes) declare the same
 weights: each quantized projection is a QuantizedWeight (int values + float32 scales) in place of its Param,
@@ -28,6 +28,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import layers
 from jaxserve.models.attention import attend_paged, reference_attention
+from jaxserve.models.kernels import XLA, Kernels
 from jaxserve.models.linear import QuantizedWeight
 from jaxserve.models.linear import dense as _dense
 from jaxserve.quant import schemes
@@ -113,10 +114,10 @@ class DecoderLayers(nnx.Module):
             key = rngs.params() if rngs is not None else None
             setattr(self, name, _weight(spec, weight_scheme(f"layers/{name}", spec, cfg), dtype, key, stacked=1))
 
-    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, matmul_impl: str = "xla"):
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
         and `aux` (the updated cache, for the paged path) is handed back to the caller."""
-        dense = functools.partial(_dense, impl=matmul_impl)
+        dense = functools.partial(_dense, kernels=kernels)
         h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
         q = dense(h, self.wq, "...te,ehd->...thd")
         k = dense(h, self.wk, "...te,ehd->...thd")
@@ -136,7 +137,7 @@ class DecoderLayers(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """The decoder. `cfg` and the attention implementation are static; everything else is arrays."""
+    """The decoder. `cfg` and the kernels bundle are static; everything else is arrays."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -154,7 +155,7 @@ class Llama(nnx.Module):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                 attention_impl: str = "xla", matmul_impl: str = "xla") -> tuple[jax.Array, KVCache]:
+                 kernels: Kernels = XLA) -> tuple[jax.Array, KVCache]:
         """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache."""
         cfg = self.cfg
         x = self.embed[...][tokens]
@@ -165,13 +166,13 @@ class Llama(nnx.Module):
 
             def attend(q, k, v):
                 return attend_paged(q, k, v, cache, index, meta, sliding_window=cfg.sliding_window,
-                                    impl=attention_impl)
+                                    kernels=kernels)
 
-            return layer(x, cos, sin, attend, cfg, matmul_impl)
+            return layer(x, cos, sin, attend, cfg, kernels)
 
         return self._scan_layers(one_layer, (x, cache))
 
-    def forward_dense(self, tokens: jax.Array, matmul_impl: str = "xla", kv_cache_dtype=None) -> jax.Array:
+    def forward_dense(self, tokens: jax.Array, kernels: Kernels = XLA, kv_cache_dtype=None) -> jax.Array:
         """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal.
 
         kv_cache_dtype (int8 / float8_e4m3fn) rounds K and V as a quantized paged cache stores them (per token,
@@ -186,9 +187,9 @@ class Llama(nnx.Module):
             return jax.vmap(lambda *qkv: reference_attention(*qkv, sliding_window=cfg.sliding_window))(q, k, v)
 
         def one_layer(layer, x, index):
-            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, matmul_impl)[0]
+            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, kernels)[0]
 
-        return self.logits(self._scan_layers(one_layer, x), matmul_impl)
+        return self.logits(self._scan_layers(one_layer, x), kernels)
 
     def _rope(self, positions, dtype):
         return layers.rope_cos_sin(positions, layers.rope_inv_freq(self.cfg.rope, self.cfg.head_dim), dtype)
@@ -206,12 +207,12 @@ class Llama(nnx.Module):
         carry, _ = jax.lax.scan(step, carry, jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
         return carry
 
-    def logits(self, hidden: jax.Array, matmul_impl: str = "xla") -> jax.Array:
+    def logits(self, hidden: jax.Array, kernels: Kernels = XLA) -> jax.Array:
         """[..., hidden] -> [..., vocab] float32 logits (applies the final norm)."""
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
         if self.cfg.tie_word_embeddings:
             return jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        return _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, impl=matmul_impl)
+        return _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:

@@ -1,0 +1,133 @@
+"""The kernels a model runs, chosen once: a frozen bundle of callables the model calls without asking which.
+
+    kernels = Kernels.resolve(attention="auto", matmul="auto", kv_dtype=jnp.bfloat16)   # at engine start
+    out = kernels.decode_attention(q, cache, layer, meta, scale=s, sliding_window=w)   # inside the model
+    kernels.attention_name                                                              # "pallas" | "cpu" | "xla"
+
+Choices (the engine resolves `auto` from the backend and the cache dtype, once):
+
+    attention  "pallas"  pallas_kernels' paged (decode) and ragged kernels: compiled on a GPU, interpreted elsewhere
+               "cpu"     the C++ kernel of jaxserve.cpu (float caches on the CPU backend), decode and ragged alike
+               "xla"     the jnp implementations in jaxserve.models.attention, everywhere
+    matmul     "pallas"  pallas_kernels.quant_matmul for quantized weights, run under shard_map (GSPMD cannot split
+                         a kernel); "xla" the jnp product of jaxserve.quant.schemes. Float weights are one einsum.
+
+A bundle is hashable and compares equal to another resolved from the same names (its fields are module-level
+functions), so jit can close over it as a static value.
+
+Contracts (the model calls these inside shard_map, on the KV heads one device holds):
+
+    attention(q [T, H, D], cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window) -> [T, H, D]
+        any mix of prompt chunks and decode tokens; decode_attention: the same for one query per sequence
+    matmul(x [M, K], values, scales, *, scheme) -> [M, N] float32     (quantized weight as its matrix view)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from jaxserve import cpu
+from jaxserve.kv.cache import AttentionMetadata, KVCache
+from jaxserve.models.attention import decode_attention_xla, ragged_attention_xla
+from jaxserve.quant import schemes
+from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_paged_attention as rpa
+
+ATTENTION_CHOICES = ("pallas", "cpu", "xla")
+MATMUL_CHOICES = ("pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    attention_name: str  # "pallas" | "cpu" | "xla": for logs, metrics and the bucket ladder
+    matmul_name: str  # "pallas" | "xla"
+    attention: Callable = dataclasses.field(repr=False)  # ragged paged attention
+    decode_attention: Callable = dataclasses.field(repr=False)  # one query per sequence
+    matmul: Callable = dataclasses.field(repr=False)  # quantized weights only
+    matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
+
+    @classmethod
+    def resolve(cls, attention: str = "auto", matmul: str = "auto", kv_dtype=None) -> "Kernels":
+        """The bundle for config values `auto|pallas|cpu|xla` and `auto|pallas|xla` on this backend."""
+        attention_name, matmul_name = resolve_attention(attention, kv_dtype), resolve_matmul(matmul)
+        ragged, decode = _ATTENTION[attention_name]
+        return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
+                   matmul_under_shard_map=matmul_name == "pallas")
+
+    def describe(self) -> str:
+        return f"{self.attention_name} attention, {self.matmul_name} matmul"
+
+
+def resolve_attention(choice: str, kv_dtype=None) -> str:
+    """`auto`: the Pallas kernels on a GPU; on a CPU the C++ kernel for float caches if it builds, else XLA."""
+    if choice == "auto":
+        backend = jax.default_backend()
+        if backend == "gpu":
+            return "pallas"
+        usable = backend == "cpu" and kv_dtype is not None and cpu.supports(kv_dtype) and cpu.available()
+        return "cpu" if usable else "xla"
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be auto, pallas, cpu or xla, not {choice!r}")
+    return choice
+
+
+def resolve_matmul(choice: str) -> str:
+    """For quantized weights: `auto` is the Pallas kernel on a GPU, XLA elsewhere."""
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if choice not in MATMUL_CHOICES:
+        raise ValueError(f"matmul must be auto, pallas or xla, not {choice!r}")
+    return choice
+
+
+def _interpret() -> bool:
+    """Pallas kernels compile on a GPU and run interpreted elsewhere (decided when the step is traced)."""
+    return jax.default_backend() != "gpu"
+
+
+def _scale_pools(cache: KVCache) -> dict:
+    return dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+
+def _xla_decode(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    return decode_attention_xla(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, scale=scale,
+                                sliding_window=sliding_window, **_scale_pools(cache))
+
+
+def _xla_ragged(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    return ragged_attention_xla(q, cache.k, cache.v, layer, meta, scale=scale, sliding_window=sliding_window,
+                                **_scale_pools(cache))
+
+
+def _pallas_decode(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    return pa.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, scale=scale,
+                              sliding_window=sliding_window, interpret=_interpret(), **_scale_pools(cache))
+
+
+def _pallas_ragged(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    return rpa.ragged_paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
+                                      meta.query_start, scale=scale, sliding_window=sliding_window,
+                                      interpret=_interpret(), **_scale_pools(cache))
+
+
+def _cpu_attention(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+    """Decode included: a decode step's query_start is arange(S + 1)."""
+    return cpu.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, meta.query_start,
+                               scale=scale, sliding_window=sliding_window)
+
+
+def _xla_matmul(x, values, scales, *, scheme):
+    return schemes.xla_matmul(x, values, scales, scheme)
+
+
+def _pallas_matmul(x, values, scales, *, scheme):
+    return qm.quant_matmul(x, values, scales, scheme=scheme, interpret=_interpret())
+
+
+_ATTENTION = {"xla": (_xla_ragged, _xla_decode), "pallas": (_pallas_ragged, _pallas_decode),
+              "cpu": (_cpu_attention, _cpu_attention)}
+_MATMUL = {"xla": _xla_matmul, "pallas": _pallas_matmul}
+
+XLA = Kernels.resolve("xla", "xla")  # the default of the model's entry points: runs on every backend
