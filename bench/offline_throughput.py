@@ -143,7 +143,8 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     floor = weight_matmul_floor(engine, n)
     floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None
     out_tokens = n * args.output_len
-    return dict(engine="jaxserve", model=args.model or args.preset, dtype=str(engine.core.runner.params["embed"][...].dtype),
+    return dict(engine="jaxserve", model=args.model or args.preset,
+                dtype=str(engine.core.runner.params["embed"][...].dtype),
                 N=n, input_len=args.input_len, output_len=args.output_len, total_s=round(wall, 3),
                 out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
                 steps=len(steps), decode_steps=len(decode) + 1 if decode else 0,
@@ -151,7 +152,8 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 decode_vs_floor=round(step_time / floor, 3),
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
                 decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
-                device_s=round(device_seconds, 3), host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
+                device_s=round(device_seconds, 3),
+                host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
                 attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 

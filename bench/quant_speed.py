@@ -196,7 +196,8 @@ def bench_e2e(args, schemes_to_run, copy_bw: float):
         floor = engine.core.weight_bytes / copy_bw
         yield [dict(section="e2e", scheme=name, batch=1, decode_tok_s=1 / step, decode_step_ms=step * 1e3,
                     weight_floor_ms=floor * 1e3, step_vs_floor=step / floor, weight_mb=engine.core.weight_bytes / 2**20,
-                    compile_s=compile_s, matmul=engine.core.kernels.matmul_name, attention=engine.core.kernels.attention_name)]
+                    compile_s=compile_s, matmul=engine.core.kernels.matmul_name,
+                    attention=engine.core.kernels.attention_name)]
         del engine, model
 
 

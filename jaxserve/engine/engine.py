@@ -86,7 +86,7 @@ class EngineCore:
         self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages))
         self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         self.compile_seconds = time.perf_counter() - started
-        self.temporaries = transient_bytes(self.runner.executables.values())  # every shape's, now that all are compiled
+        self.temporaries = transient_bytes(self.runner.executables.values())  # every shape's, all compiled now
         self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -101,7 +101,8 @@ class EngineCore:
         plan = self.kv_plan
         log.info("engine ready: %s attention, weights %s (%.1f MiB), step temporaries %.1f MiB (+%.1f MiB margin), "
                  "KV cache %s: %d pages of %d tokens (%.1f MiB), of %.1f MiB free per device; %d executables "
-                 "compiled in %.1fs, %s", self.kernels.attention_name, self.weights_description, self.weight_bytes / 2**20,
+                 "compiled in %.1fs, %s", self.kernels.attention_name, self.weights_description,
+                 self.weight_bytes / 2**20,
                  self.temporaries / 2**20, plan.margin / 2**20, self.kv_dtype.name, plan.num_pages, plan.page_size,
                  plan.cache_bytes / 2**20, plan.free_bytes / 2**20, self.runner.num_executables,
                  self.compile_seconds, self.sharder.describe())
