@@ -161,7 +161,7 @@ def test_mixed_traffic_never_compiles(engine):
                 for i, p in enumerate(prompts)]
     run_staggered(engine, requests, per_step=2)
     assert len(compiles) == before
-    assert engine.core.runner.num_executables == len(engine.buckets.shapes())  # one executable per step shape
+    assert engine.core.runner.num_executables == len(engine.core.buckets.shapes())  # one executable per step shape
 
 
 def test_steps_update_the_cache_in_place(engine):
