@@ -1,6 +1,7 @@
 """The fused step executable (model + sampling, what the engine runs) vs the same work split in two executables
 (model, then sampling: the engine before issue 13), same engine, params and cache, interleaved 40 times: decode
 B=1 and B=64 on the small preset. `--plain` compiles the fused step without the sharding constraints.
+Run it with JAXSERVE_HOST_MALLOC=default to see what glibc's defaults cost (RESULTS.md, "Follow-up").
 
     python bench/fused_step_ab.py [--plain]
 """

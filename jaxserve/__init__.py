@@ -6,6 +6,10 @@
 
 __version__ = "0.1.0"
 
+from jaxserve import host_memory as _host_memory
+
+_host_memory.tune()  # before JAX starts its threads; see jaxserve/host_memory.py
+
 _LAZY = {
     "LLM": "jaxserve.engine.llm",
     "LLMEngine": "jaxserve.engine.engine",

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import host_memory
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.buckets import BucketTable, engine_buckets
 from jaxserve.engine.memory import KVPlan, plan_kv_cache, transient_bytes, wanted_pages
@@ -95,6 +96,7 @@ class EngineCore:
                                    seed=config.seed)
         self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
         self._in_flight: PendingStep | None = None
+        host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
         self._log_ready()
 
     def _log_ready(self) -> None:
