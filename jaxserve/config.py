@@ -190,7 +190,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | int8 | fp8
     dtype: str = "auto"  # activation/weight dtype at run time: auto | bfloat16 | float32
     attention: str = "auto"  # auto | pallas | cpu | xla (auto: Pallas on a GPU, the C++ kernel on a CPU)
-    matmul: str = "auto"  # auto | pallas | xla (quantized weights only)
+    matmul: str = "auto"  # auto | pallas | cpu | xla (see jaxserve.models.kernels)
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # schedule and dispatch step N+1 before reading step N's tokens
     decode_buckets: tuple[int, ...] | None = None

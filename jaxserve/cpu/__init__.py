@@ -1,13 +1,19 @@
-"""Paged attention for the CPU backend: a C++ kernel (paged_attention.cc) that XLA calls through its FFI.
+"""Kernels for the CPU backend in C++, called from XLA through its FFI: paged attention (paged_attention.cc) and a
+weight-streaming matmul for few rows (matmul.cc).
 
-Why: XLA's attention path gathers each sequence's pages into a dense copy before attending. On a CPU, whose memory
-bandwidth is a few GB/s per core, that copy costs more than the attention itself (at batch 64 and 256-token
-contexts it doubled the small Llama's decode step). The kernel reads the pages where they are.
+Why attention: XLA's attention path gathers each sequence's pages into a dense copy before attending. On a CPU,
+whose memory bandwidth is a few GB/s per core, that copy costs more than the attention itself (at batch 64 and
+256-token contexts it doubled the small Llama's decode step). The kernel reads the pages where they are.
 
-The kernel is compiled on first use with the system's C++ compiler (`$CXX`, else c++) against the jaxlib FFI
-headers, for this machine's instruction set, and cached under the jaxserve cache directory keyed by the source,
-the compiler and the CPU. Without a compiler, `available()` is False and the engine keeps the XLA path (its
-start-up log says so). The jnp reference is the XLA path, jaxserve.models.attention.ragged_attention_xla.
+Why the matmul: a decode step's projections read every weight once for a few rows, so they run at the speed
+weights stream from memory; XLA:CPU first copies each layer's slice out of the stacked [layers, ...] weight, and
+its dot streams below what this machine copies at. The kernel reads the layer's slice in place, float32, bfloat16
+or int8 (per-channel scales). Its reference is the einsum (jaxserve.models.linear).
+
+The kernels are compiled on first use with the system's C++ compiler (`$CXX`, else c++) against the jaxlib FFI
+headers, for this machine's instruction set, into one library cached under the jaxserve cache directory keyed by
+the sources, the compiler and the CPU. Without a compiler, `available()` is False and the engine keeps the XLA
+paths (its start-up log says so). The attention reference is jaxserve.models.attention.ragged_attention_xla.
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ import numpy as np
 from jaxserve.config import default_compilation_cache_dir, env_str
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_attention.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "paged_attention.cc", HERE / "matmul.cc")
+HEADERS = (HERE / "common.h",)
 TARGET = "jaxserve_cpu_paged_attention"
+MATMUL_TARGET = "jaxserve_cpu_matmul"
+MATMUL_MAX_ROWS = 32  # the matmul kernel's limit: a decode step's rows; larger products are compute-bound (XLA)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
 
@@ -46,6 +56,25 @@ def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer:
     return call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32),
                 context_lens.astype(jnp.int32), query_start.astype(jnp.int32), scale=np.float32(scale),
                 window=np.int32(sliding_window or 0))
+
+
+def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None) -> jax.Array:
+    """x [M, K] (M <= MATMUL_MAX_ROWS) @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight
+    w [L, K, N] in place (a [K, N] weight is one layer). Float32 or bfloat16 weights; int8 weights with scales
+    [L, N] (or [N]) per output channel. Needs `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernels could not be built; use matmul='xla'")
+    if x.shape[0] > MATMUL_MAX_ROWS:
+        raise ValueError(f"the CPU matmul kernel takes at most {MATMUL_MAX_ROWS} rows, not {x.shape[0]}")
+    w = w if w.ndim == 3 else w[None]
+    if w.dtype == jnp.int8:
+        if scales is None:
+            raise ValueError("int8 weights need their per-channel scales")
+        scales = scales.astype(jnp.float32).reshape(w.shape[0], w.shape[2])
+    else:
+        scales = jnp.zeros((1, 1), jnp.float32)
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    return call(x, w, scales, jnp.asarray(layer, jnp.int32).reshape(1))
 
 
 def supports(cache_dtype) -> bool:
@@ -64,6 +93,7 @@ def available() -> bool:
                     f":\n{detail}" if detail else "")
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.JaxserveMatmul), platform="cpu")
     return True
 
 
@@ -76,18 +106,18 @@ def _build() -> Path:
     if compiler_path is None:
         raise FileNotFoundError("no C++ compiler (set CXX)")
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine(),
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), version, " ".join(FLAGS), platform.machine(),
                                     _cpu_model(), jax.__version__]).encode()).hexdigest()[:16]
-    library = Path(default_compilation_cache_dir()).parent / "cpu_kernels" / f"paged_attention-{key}.so"
+    library = Path(default_compilation_cache_dir()).parent / "cpu_kernels" / f"kernels-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
-        subprocess.run([compiler_path, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)], check=True,
+        subprocess.run([compiler_path, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built)], check=True,
                        capture_output=True, text=True)
         os.replace(built, library)  # atomic: a concurrent build by another process is harmless
-    log.info("built the CPU attention kernel: %s", library)
+    log.info("built the CPU kernels: %s", library)
     return library
 
 

@@ -15,42 +15,16 @@
 // calling thread and XLA's intra-op thread pool share it.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-using bf16_bits = uint16_t;
-
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(bf16_bits x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline void FromFloat(float x, float* out) { *out = x; }
-inline void FromFloat(float x, bf16_bits* out) {  // round to nearest even, as XLA converts
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *out = static_cast<bf16_bits>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *out = static_cast<bf16_bits>(bits >> 16);
-}
+using namespace jaxserve_cpu;
 
 // Dot product with independent partial sums, so the compiler vectorises it without reassociating floats freely.
 template <typename KT>
@@ -123,34 +97,6 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
     const float inv = 1.0f / total[g];
     for (int64_t i = 0; i < d; ++i) FromFloat(acc[g * d + i] * inv, &out_row[g * d + i]);
   }
-}
-
-// Runs fn(i) for i in [0, n) on the calling thread and the pool's threads; returns when every fn(i) has finished.
-// The caller never waits for a pool task to start: it claims items itself, so the call completes even when every
-// pool thread is busy (another step's kernel on another device, or this very call running on a pool thread).
-// A pool task that starts late finds no item left and touches only the shared counters, never the caller's stack.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> finished{0};
-    std::mutex mu;
-    std::condition_variable all_done;
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, n, &fn] {
-    int64_t ran = 0;
-    for (int64_t i = shared->next.fetch_add(1); i < n; i = shared->next.fetch_add(1), ++ran) fn(i);
-    if (ran > 0 && shared->finished.fetch_add(ran) + ran == n) {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      shared->all_done.notify_all();
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t w = 0; w < helpers; ++w) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->all_done.wait(lock, [&] { return shared->finished.load() == n; });
 }
 
 template <typename QT, typename KT>

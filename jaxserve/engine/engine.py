@@ -70,7 +70,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = config.resolved_max_model_len(model.cfg)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
-        self.kernels = Kernels.resolve(config.attention, config.matmul, self.kv_dtype)  # chosen once, here
+        self.kernels = Kernels.resolve(config.attention, config.matmul, self.kv_dtype,  # chosen once, here
+                                       config.tensor_parallel_size)
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)

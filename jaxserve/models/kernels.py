@@ -11,6 +11,9 @@ Choices (the engine resolves `auto` from the backend and the cache dtype, once):
                "xla"     the jnp implementations in jaxserve.models.attention, everywhere
     matmul     "pallas"  pallas_kernels.quant_matmul for quantized weights, run under shard_map (GSPMD cannot split
                          a kernel); "xla" the jnp product of jaxserve.quant.schemes. Float weights are one einsum.
+               "cpu"     (one device on the CPU backend) the C++ weight-streaming kernel of jaxserve.cpu for products
+                         of at most `stacked_rows` rows (decode steps) with float or int8 weights, reading a layer's
+                         slice of the stacked weights in place; XLA for the rest, as "xla"
 
 A bundle is hashable and compares equal to another resolved from the same names (its fields are module-level
 functions), so jit can close over it as a static value.
@@ -20,6 +23,7 @@ Contracts (the model calls these inside shard_map, on the KV heads one device ho
     attention(q [T, H, D], cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window) -> [T, H, D]
         any mix of prompt chunks and decode tokens; decode_attention: the same for one query per sequence
     matmul(x [M, K], values, scales, *, scheme) -> [M, N] float32     (quantized weight as its matrix view)
+    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32     (M <= stacked_rows)
 """
 
 from __future__ import annotations
@@ -36,25 +40,37 @@ from jaxserve.quant import schemes
 from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_paged_attention as rpa
 
 ATTENTION_CHOICES = ("pallas", "cpu", "xla")
-MATMUL_CHOICES = ("pallas", "xla")
+MATMUL_CHOICES = ("pallas", "cpu", "xla")
+CPU_MATMUL_ROWS = 1  # rows up to which the CPU kernel beats XLA's dot (bench/cpu_matmul.py: 1.5-2.1x at one row,
+# 0.8-1.1x at 2-4 under load); its M > 1 loop reloads each weight row from L1 once per row of x
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     attention_name: str  # "pallas" | "cpu" | "xla": for logs, metrics and the bucket ladder
-    matmul_name: str  # "pallas" | "xla"
+    matmul_name: str  # "pallas" | "cpu" | "xla"
     attention: Callable = dataclasses.field(repr=False)  # ragged paged attention
     decode_attention: Callable = dataclasses.field(repr=False)  # one query per sequence
     matmul: Callable = dataclasses.field(repr=False)  # quantized weights only
     matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
+    stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
+    stacked_rows: int = 0  # products of at most this many rows go to stacked_matmul
 
     @classmethod
-    def resolve(cls, attention: str = "auto", matmul: str = "auto", kv_dtype=None) -> "Kernels":
-        """The bundle for config values `auto|pallas|cpu|xla` and `auto|pallas|xla` on this backend."""
-        attention_name, matmul_name = resolve_attention(attention, kv_dtype), resolve_matmul(matmul)
+    def resolve(cls, attention: str = "auto", matmul: str = "auto", kv_dtype=None,
+                tensor_parallel_size: int = 1) -> "Kernels":
+        """The bundle for config values `auto|pallas|cpu|xla` (both) on this backend."""
+        attention_name = resolve_attention(attention, kv_dtype)
+        matmul_name = resolve_matmul(matmul, tensor_parallel_size)
         ragged, decode = _ATTENTION[attention_name]
+        stacked = matmul_name == "cpu"
         return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
-                   matmul_under_shard_map=matmul_name == "pallas")
+                   matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmul if stacked else None,
+                   stacked_rows=CPU_MATMUL_ROWS if stacked else 0)
+
+    def reads_stacked(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on stacked_matmul (then the layer scan leaves weights stacked)."""
+        return self.stacked_matmul is not None and rows <= self.stacked_rows
 
     def describe(self) -> str:
         return f"{self.attention_name} attention, {self.matmul_name} matmul"
@@ -73,12 +89,18 @@ def resolve_attention(choice: str, kv_dtype=None) -> str:
     return choice
 
 
-def resolve_matmul(choice: str) -> str:
-    """For quantized weights: `auto` is the Pallas kernel on a GPU, XLA elsewhere."""
+def resolve_matmul(choice: str, tensor_parallel_size: int = 1) -> str:
+    """`auto`: the Pallas kernel (quantized weights) on a GPU; on a CPU the C++ kernel for decode-sized products
+    when the model is on one device and the kernel builds; else XLA."""
     if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        backend = jax.default_backend()
+        if backend == "gpu":
+            return "pallas"
+        return "cpu" if backend == "cpu" and tensor_parallel_size == 1 and cpu.available() else "xla"
     if choice not in MATMUL_CHOICES:
-        raise ValueError(f"matmul must be auto, pallas or xla, not {choice!r}")
+        raise ValueError(f"matmul must be auto, pallas, cpu or xla, not {choice!r}")
+    if choice == "cpu" and tensor_parallel_size != 1:
+        raise ValueError("matmul='cpu' runs on one device; use matmul='xla' with tensor parallelism")
     return choice
 
 
@@ -128,6 +150,6 @@ def _pallas_matmul(x, values, scales, *, scheme):
 
 _ATTENTION = {"xla": (_xla_ragged, _xla_decode), "pallas": (_pallas_ragged, _pallas_decode),
               "cpu": (_cpu_attention, _cpu_attention)}
-_MATMUL = {"xla": _xla_matmul, "pallas": _pallas_matmul}
+_MATMUL = {"xla": _xla_matmul, "pallas": _pallas_matmul, "cpu": _xla_matmul}  # cpu: stacked_matmul, else XLA
 
 XLA = Kernels.resolve("xla", "xla")  # the default of the model's entry points: runs on every backend

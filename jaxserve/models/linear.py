@@ -2,7 +2,10 @@
 
     dense(x, weight, "...te,ehd->...thd", kernels=...)    weight: a float Param (or array), or a QuantizedWeight
 
-A float weight is one einsum. A QuantizedWeight (int8 / int4, layouts in `jaxserve.quant.schemes`) is multiplied
+Inside the layer scan a decode-sized product can take the layer's weight still stacked [layers, ...] with its
+`layer` index, when the kernels read stacked weights in place (`kernels.reads_stacked(rows)`, the C++ CPU kernel):
+then the weight is viewed as [layers, K, N] (a free reshape) and never sliced out. Otherwise a float weight is one
+einsum. A QuantizedWeight (int8 / int4, layouts in `jaxserve.quant.schemes`) is multiplied
 as a matrix: x's trailing `contract` dims are flattened to K, the weight is viewed as [K, N] (free reshapes),
 and the product runs through `kernels.matmul`, the kernel the engine chose once (jaxserve.models.kernels).
 """
@@ -10,6 +13,7 @@ and the product runs through `kernels.matmul`, the kernel the engine chose once 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +42,13 @@ class QuantizedWeight(nnx.Module):
         return schemes.dequantize(self.values[...], self.scales[...], self.contract, self.scheme, dtype)
 
 
-def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XLA) -> jax.Array:
-    """einsum(spec, x, weight) accumulated in float32, returned in `out_dtype` (default: x's dtype)."""
-    if isinstance(weight, QuantizedWeight):
+def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XLA, layer=None) -> jax.Array:
+    """einsum(spec, x, weight) accumulated in float32, returned in `out_dtype` (default: x's dtype). `layer`: the
+    weight is stacked [layers, ...] and this layer's slice is meant (the layer scan leaves it stacked only when
+    kernels.reads_stacked)."""
+    if layer is not None:
+        out = stacked_dense(x, weight, spec, kernels, layer)
+    elif isinstance(weight, QuantizedWeight):
         out = _quantized_dense(x, weight, spec, kernels)
     else:
         out = jnp.einsum(spec, x, weight[...], preferred_element_type=jnp.float32)
@@ -58,6 +66,34 @@ def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, kernels: 
         matmul = _split_like_the_weight(matmul, weight)
     out = matmul(x.reshape(-1, k), values, scales)
     return out.reshape(x.shape[:x.ndim - contract] + tuple(out_dims))
+
+
+def read_in_place(weight) -> bool:
+    """Whether kernels.stacked_matmul takes this weight stacked: float weights and int8 ones (per-channel scales);
+    int4's grouped layout keeps the XLA path (sliced per layer)."""
+    return not isinstance(weight, QuantizedWeight) or weight.scheme == "int8"
+
+
+def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None) -> jax.Array:
+    """x [..., K dims] @ weight[layer] [K dims, N dims] -> float32 by kernels.stacked_matmul on the weight's
+    [layers, K, N] view; `layer=None`: the weight is not stacked (one layer)."""
+    quantized = isinstance(weight, QuantizedWeight)
+    values = weight.values[...] if quantized else weight[...]
+    if layer is None:
+        values, layer = values[None], 0
+    contract = weight.contract if quantized else contraction_dims(spec)
+    check_matrix_spec(spec, contract)
+    k_dims, n_dims = values.shape[1:1 + contract], values.shape[1 + contract:]
+    k, n = math.prod(k_dims), math.prod(n_dims)
+    scales = weight.scales[...].reshape(values.shape[0], n) if quantized else None
+    out = kernels.stacked_matmul(x.reshape(-1, k), values.reshape(values.shape[0], k, n), layer, scales)
+    return out.reshape(x.shape[:x.ndim - contract] + tuple(n_dims))
+
+
+def contraction_dims(spec: str) -> int:
+    """How many leading dims of the weight an einsum spec `...x,w->...o` contracts with x's trailing ones."""
+    lhs, rhs = spec.replace(" ", "").split("->")[0].split(",")
+    return next((i for i, c in enumerate(rhs) if c not in lhs), len(rhs))
 
 
 def _split_like_the_weight(matmul, weight: QuantizedWeight):

@@ -18,7 +18,7 @@ biases stay float.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import layers
 from jaxserve.models.attention import attend_paged, reference_attention
 from jaxserve.models.kernels import XLA, Kernels
-from jaxserve.models.linear import QuantizedWeight
+from jaxserve.models.linear import QuantizedWeight, read_in_place, stacked_dense
 from jaxserve.models.linear import dense as _dense
 from jaxserve.quant import schemes
 from jaxserve.quant.kv import dequantize_kv, quantize_kv
@@ -114,14 +114,21 @@ class DecoderLayers(nnx.Module):
             key = rngs.params() if rngs is not None else None
             setattr(self, name, _weight(spec, weight_scheme(f"layers/{name}", spec, cfg), dtype, key, stacked=1))
 
-    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA):
+    PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA, in_place=()):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
-        and `aux` (the updated cache, for the paged path) is handed back to the caller."""
-        dense = functools.partial(_dense, kernels=kernels)
+        and `aux` (the updated cache, for the paged path) is handed back to the caller. `in_place`: (names, layer
+        index) of projections whose weights are still stacked, read in place by kernels.stacked_matmul."""
+        stacked, index = in_place or ((), None)
+
+        def dense(x, name, spec):
+            return _dense(x, getattr(self, name), spec, kernels=kernels, layer=index if name in stacked else None)
+
         h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
-        q = dense(h, self.wq, "...te,ehd->...thd")
-        k = dense(h, self.wk, "...te,ehd->...thd")
-        v = dense(h, self.wv, "...te,ehd->...thd")
+        q = dense(h, "wq", "...te,ehd->...thd")
+        k = dense(h, "wk", "...te,ehd->...thd")
+        v = dense(h, "wv", "...te,ehd->...thd")
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if cfg.qk_norm:
@@ -129,11 +136,11 @@ class DecoderLayers(nnx.Module):
             k = layers.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
         attn, aux = attend(q, k, v)
-        x = x + dense(attn, self.wo, "...thd,hde->...te")
+        x = x + dense(attn, "wo", "...thd,hde->...te")
         h = layers.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate = dense(h, self.w_gate, "...te,ef->...tf")
-        up = dense(h, self.w_up, "...te,ef->...tf")
-        return x + dense(jax.nn.silu(gate) * up, self.w_down, "...tf,fe->...te"), aux
+        gate = dense(h, "w_gate", "...te,ef->...tf")
+        up = dense(h, "w_up", "...te,ef->...tf")
+        return x + dense(jax.nn.silu(gate) * up, "w_down", "...tf,fe->...te"), aux
 
 
 class Llama(nnx.Module):
@@ -161,6 +168,8 @@ class Llama(nnx.Module):
         x = self.embed[...][tokens]
         cos, sin = self._rope(meta.positions, x.dtype)
 
+        in_place = self._read_in_place(kernels, tokens.shape[0])
+
         def one_layer(layer, carry, index):
             x, cache = carry
 
@@ -168,9 +177,9 @@ class Llama(nnx.Module):
                 return attend_paged(q, k, v, cache, index, meta, sliding_window=cfg.sliding_window,
                                     kernels=kernels)
 
-            return layer(x, cos, sin, attend, cfg, kernels)
+            return layer(x, cos, sin, attend, cfg, kernels, in_place=(in_place, index))
 
-        return self._scan_layers(one_layer, (x, cache))
+        return self._scan_layers(one_layer, (x, cache), keep_stacked=in_place)
 
     def forward_dense(self, tokens: jax.Array, kernels: Kernels = XLA, kv_cache_dtype=None) -> jax.Array:
         """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal.
@@ -194,14 +203,26 @@ class Llama(nnx.Module):
     def _rope(self, positions, dtype):
         return layers.rope_cos_sin(positions, layers.rope_inv_freq(self.cfg.rope, self.cfg.head_dim), dtype)
 
-    def _scan_layers(self, body, carry):
-        """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan."""
+    def _read_in_place(self, kernels: Kernels, rows: int) -> tuple[str, ...]:
+        """The projections whose stacked weights kernels.stacked_matmul reads in place for products of `rows`."""
+        if not kernels.reads_stacked(rows):
+            return ()
+        return tuple(name for name in DecoderLayers.PROJECTIONS if read_in_place(getattr(self.layers, name)))
+
+    def _scan_layers(self, body, carry, keep_stacked: tuple[str, ...] = ()):
+        """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan. The weights
+        named in `keep_stacked` stay whole [layers, ...] in the layer module (read in place by a kernel)."""
         graphdef, stacked = nnx.split(self.layers)
+
+        def layer_slice(path, w, index):
+            if path[0].key in keep_stacked:
+                return w
+            return jax.lax.dynamic_index_in_dim(w, index, keepdims=False)
 
         def step(carry, index):
             # Index the stacked weights inside the body rather than scanning over them as xs: XLA:CPU then feeds
             # each layer's slice to its dot instead of first copying it out (the copies were ~15% of a decode step).
-            layer_state = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), stacked)
+            layer_state = jax.tree_util.tree_map_with_path(lambda p, w: layer_slice(p, w, index), stacked)
             return body(nnx.merge(graphdef, layer_state), carry, index), None
 
         carry, _ = jax.lax.scan(step, carry, jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
@@ -212,6 +233,9 @@ class Llama(nnx.Module):
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
         if self.cfg.tie_word_embeddings:
             return jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        rows = math.prod(h.shape[:-1])
+        if kernels.reads_stacked(rows) and read_in_place(self.lm_head):  # a [hidden, vocab] weight is one layer
+            return stacked_dense(h, self.lm_head, "...e,ev->...v", kernels)
         return _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
 
 

@@ -1,0 +1,110 @@
+"""The CPU weight-streaming matmul (jaxserve/cpu/matmul.cc, C++ through XLA's FFI) against the einsum, and the
+engine with matmul=cpu against matmul=xla."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import cpu
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.llm import LLM
+from jaxserve.models.kernels import Kernels, resolve_matmul
+from jaxserve.models.llama import random_model
+from jaxserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or cpu.compiler() is None,
+                                reason="the CPU kernels need the CPU backend and a C++ compiler")
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (3, 130, 300), (32, 64, 257), (2, 5, 7)])
+def test_matches_the_einsum(rng, dtype, m, k, n):
+    layers = 3
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    if dtype == "int8":
+        w = jnp.asarray(rng.integers(-127, 128, (layers, k, n)), jnp.int8)
+        scales = jnp.asarray(rng.random((layers, n)) * 0.01 + 1e-3, jnp.float32)
+    else:
+        w = jnp.asarray(rng.standard_normal((layers, k, n)), dtype)
+        scales = None
+    for layer in range(layers):
+        ref = jnp.einsum("mk,kn->mn", x, w[layer].astype(jnp.float32), precision="highest")
+        if scales is not None:
+            ref = ref * scales[layer]
+        out = jax.jit(lambda x, w, s, i: cpu.matmul(x, w, i, s))(x, w, scales, jnp.int32(layer))
+        assert out.shape == (m, n) and out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+def test_bfloat16_rows_and_an_unstacked_weight(rng):
+    x = jnp.asarray(rng.standard_normal((1, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)
+    ref = jnp.einsum("mk,kn->mn", x.astype(jnp.float32), w, precision="highest")
+    np.testing.assert_allclose(np.asarray(cpu.matmul(x, w, 0)), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_refuses_what_it_cannot_do(rng):
+    w = jnp.zeros((1, 8, 8), jnp.int8)
+    with pytest.raises(ValueError, match="scales"):
+        cpu.matmul(jnp.zeros((1, 8)), w, 0)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        cpu.matmul(jnp.zeros((33, 8)), jnp.zeros((8, 8)), 0)
+
+
+def test_resolution():
+    assert resolve_matmul("auto") == "cpu"
+    assert resolve_matmul("auto", tensor_parallel_size=2) == "xla"  # an FFI call cannot be split by GSPMD
+    with pytest.raises(ValueError, match="one device"):
+        resolve_matmul("cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="auto, pallas, cpu or xla"):
+        resolve_matmul("onednn")
+    kernels = Kernels.resolve("xla", "cpu")
+    assert kernels.reads_stacked(1) and not kernels.reads_stacked(kernels.stacked_rows + 1)
+    assert not Kernels.resolve("xla", "xla").reads_stacked(1)
+
+
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_engine_generates_what_xla_does(quantization):
+    """Greedy, one sequence (decode steps take the kernel) and four at once (they do not), same tokens."""
+    cfg = dataclasses.replace(TINY, quantization=quantization)
+    prompts = [[5, 9, 13, 40, 2], [7, 7, 8], [100, 101, 102, 103], [3]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for matmul in ("cpu", "xla"):
+        engine = LLMEngine(random_model(cfg, jnp.float32, seed=3),
+                           EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, matmul=matmul,
+                                        xla_optimization_level=0), show_progress=False)
+        assert engine.core.kernels.matmul_name == matmul
+        llm = LLM(engine=engine, show_progress=False)
+        alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outputs[matmul] = (alone, batch)
+    assert outputs["cpu"] == outputs["xla"]
+
+
+def test_decode_step_reads_weights_in_place():
+    """At batch 1 every projection and the LM head go through the kernel: no weight slice is copied out."""
+    engine = LLMEngine(random_model(TINY, jnp.float32), EngineConfig(max_num_seqs=2, max_num_batched_tokens=32,
+                                                                      max_model_len=64, matmul="cpu"),
+                       show_progress=False)
+    runner = engine.core.runner
+    texts = {shape.seqs: runner._lower_step(shape).as_text() for shape in runner.buckets.shapes()
+             if shape.kind == "decode"}
+    assert texts[1].count(cpu.MATMUL_TARGET) == 8  # q k v o gate up down in the layer scan body, and the LM head
+    assert cpu.MATMUL_TARGET not in texts[2]
