@@ -196,6 +196,8 @@ class Scheduler:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.allocator.free(seq.pages)  # a released fork waits holding the prompt pages it shares
+            seq.pages, seq.num_registered_pages, seq.num_computed_tokens = [], 0, 0
         self._drop_held_forks(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
