@@ -117,8 +117,10 @@ class Soak:
                 await response.aread()
                 return self.expect(response, 200)
             lines = [line async for line in response.aiter_lines() if line]
-        if not lines or lines[-1] != "data: [DONE]" or any('"error"' in line for line in lines):
-            return 200, f"broken stream: {lines[-2:]}"
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        failed = next((event["error"] for event in events if "error" in event), None)
+        if not lines or lines[-1] != "data: [DONE]" or failed is not None:
+            return 200, f"broken stream: {failed or lines[-2:]}"
         return 200, None
 
     async def chat(self, client, rng):
