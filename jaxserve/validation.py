@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
@@ -21,7 +22,10 @@ if TYPE_CHECKING:
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries
 MAX_STOP_STRINGS = 16
-MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the device; the vocabulary bound is checked per model
+MAX_STOP_STRING_LENGTH = 512  # characters: the output processor holds back that much text, and scans it per token
+MAX_STOP_TOKEN_IDS = 16  # with the EOS ids, they fit the sampler's banned-id row (sampler.MAX_BANNED)
+MAX_INT32 = 2**31 - 1  # counts and ids the device holds as int32
+MAX_TOKEN_ID = MAX_INT32  # token ids are int32 on the device; the vocabulary bound is checked per model
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -32,9 +36,12 @@ class Range:
     low: float | None = None
     high: float | None = None
     low_open: bool = False  # (low, ...: low itself is refused
+    integer: bool = False  # only ints (the engine counts with it, or puts it in an int32)
 
     def contains(self, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if isinstance(value, float) and math.isnan(value):
             return False
         above = self.low is None or (value > self.low if self.low_open else value >= self.low)
         return above and (self.high is None or value <= self.high)
@@ -56,22 +63,25 @@ class Range:
         return out
 
 
-# SamplingParams field -> its allowed values (None, where the field allows it, is always accepted).
+# SamplingParams field -> its allowed values (None only for OPTIONAL_FIELDS). Every range is
+# closed on both sides, in what the device holds (int32 counts, float32 values), so no value can overflow later.
 SAMPLING_RANGES: Mapping[str, Range] = {
-    "n": Range(1, 128),
-    "max_tokens": Range(1),
-    "min_tokens": Range(0),
+    "n": Range(1, 128, integer=True),
+    "max_tokens": Range(1, MAX_INT32, integer=True),  # and, per model, prompt + max_tokens <= max_model_len
+    "min_tokens": Range(0, MAX_INT32, integer=True),  # and <= max_tokens, or what max_model_len leaves
     "temperature": Range(0, 100),
     "top_p": Range(0, 1, low_open=True),
-    "top_k": Range(-1),  # -1 and 0 disable it
+    "top_k": Range(-1, MAX_INT32, integer=True),  # -1 and 0 disable it; above the vocabulary, it keeps every token
     "min_p": Range(0, 1),
     "repetition_penalty": Range(0, 10, low_open=True),
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
-    "seed": Range(0, 2**63 - 1),
-    "logprobs": Range(0, MAX_TOP_LOGPROBS),
-    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS),
+    "seed": Range(0, 2**63 - 1, integer=True),
+    "logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
 }
+OPTIONAL_FIELDS = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})  # None is a value of these
+BOOLEAN_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LOGIT_BIAS_RANGE = Range(-100, 100)  # each bias value
 TOKEN_ID_RANGE = Range(0, MAX_TOKEN_ID)
 
@@ -124,19 +134,56 @@ def validate_sampling_params(params: "SamplingParams") -> None:
     """The checks that need no model: ranges and shapes of the sampling parameters alone."""
     for name, allowed in SAMPLING_RANGES.items():
         value = getattr(params, name)
-        if value is not None and not allowed.contains(value):
+        if value is None and name in OPTIONAL_FIELDS:
+            continue
+        if allowed.integer and isinstance(value, float):
+            raise InvalidRequestError(f"{{{name}}} must be an integer, got {value!r}", name)
+        if not allowed.contains(value):
             raise InvalidRequestError(f"{{{name}}} {allowed.describe()}, got {format_number(value)}", name)
+    for name in BOOLEAN_FIELDS:
+        if not isinstance(getattr(params, name), bool):
+            raise InvalidRequestError(f"{{{name}}} must be true or false", name)
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise InvalidRequestError(f"{{min_tokens}} ({params.min_tokens}) must not exceed {{max_tokens}} "
                                   f"({params.max_tokens})", "min_tokens")
-    if len(params.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"{{stop}} may hold at most {MAX_STOP_STRINGS} strings", "stop")
-    if not all(isinstance(s, str) and s for s in params.stop):
-        raise InvalidRequestError("{stop} must hold non-empty strings", "stop")
+    _check_stop_strings(params.stop)
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"{{stop_token_ids}} may hold at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequestError(f"{{logit_bias}} may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     if not all(LOGIT_BIAS_RANGE.contains(bias) for _, bias in params.logit_bias):
         raise InvalidRequestError(f"{{logit_bias}} values {LOGIT_BIAS_RANGE.describe()}", "logit_bias")
+
+
+def _check_stop_strings(stop: Sequence[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"{{stop}} may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    if not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequestError("{stop} must hold non-empty strings", "stop")
+    if any(len(s) > MAX_STOP_STRING_LENGTH for s in stop):
+        raise InvalidRequestError(f"{{stop}} strings may be at most {MAX_STOP_STRING_LENGTH} characters long",
+                                  "stop")
+    for s in stop:
+        check_text("stop", s)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(param: str, text: str) -> None:
+    """Text must be valid Unicode: a lone surrogate ("\\ud800" in JSON) has no UTF-8 form, so no tokenizer or
+    response could carry it."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise InvalidRequestError(f"{{{param}}} {problem}", param)
+
+
+def unicode_problem(text: str) -> str | None:
+    """What makes `text` invalid Unicode ("is not valid Unicode: ..."), or None."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return f"is not valid Unicode: it holds a lone surrogate (U+{ord(found.group()):04X}) at character {found.start()}"
 
 
 def _check_token_ids(param: str, token_ids, vocab_size: int) -> None:
@@ -158,6 +205,10 @@ def _check_prompt(prompt_token_ids: Sequence[int], params: "SamplingParams", lim
     if params.max_tokens is not None and length + params.max_tokens > limit:
         raise InvalidRequestError(f"{{prompt}} ({length} tokens) + {{max_tokens}} ({params.max_tokens}) exceeds "
                                   f"max_model_len {limit}", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+    if params.max_tokens is None and params.min_tokens > limit - length:
+        raise InvalidRequestError(f"{{min_tokens}} ({params.min_tokens}) exceeds the {limit - length} tokens "
+                                  f"max_model_len {limit} leaves after the {{prompt}} ({length} tokens)",
+                                  "min_tokens", CONTEXT_LENGTH_EXCEEDED)
 
 
 def format_number(value: Any) -> str:

@@ -211,7 +211,7 @@ class FakeStream:
 
 class FakeReplica:
     def __init__(self):
-        self.accepted, self.aborted, self.num_waiting, self.num_running = [], [], 0, 0
+        self.accepted, self.aborted, self.num_waiting, self.num_running, self.num_queued = [], [], 0, 0, 0
         self.is_alive, self.error, self.started, self.stopped = True, None, False, False
         self.info = None
 
@@ -219,6 +219,7 @@ class FakeReplica:
         return SchedulerStats(num_running=self.num_running, num_waiting=self.num_waiting)
 
     async def add_request(self, request_id, prompt, params, *, priority=0, prompt_text=None, kind=None):
+        self.num_queued += 1  # accepted, never scheduled: these fakes do not run anything
         await asyncio.sleep(0)
         self.accepted.append(request_id)
         return FakeStream(request_id, [type("Out", (), {"finished": False})(), type("Out", (), {"finished": True})()])
@@ -273,11 +274,12 @@ def test_router_counts_a_burst_its_replicas_have_not_seen_yet():
 def test_router_shares_one_admission_limit_and_reports_dead_replicas():
     replicas = [FakeReplica(), FakeReplica()]
     replicas[0].num_waiting, replicas[1].num_waiting, replicas[1].num_running = 2, 1, 4
+    replicas[0].num_queued, replicas[1].num_queued = 2, 1
     router = ReplicaRouter(replicas, max_queued_requests=3)
     assert (router.stats().num_waiting, router.stats().num_running) == (3, 4)
     with pytest.raises(QueueFullError):
         asyncio.run(router.add_request("x", [1], SamplingParams()))
-    replicas[1].num_waiting = 0
+    replicas[1].num_queued = 0
     asyncio.run(router.add_request("y", [1], SamplingParams()))
     replicas[1].is_alive, replicas[1].error = False, RuntimeError("boom")
     assert not router.is_alive and isinstance(router.error, RuntimeError)

@@ -253,3 +253,17 @@ def test_sampled_token_rows_line_up_with_the_plan():
     plan = sched.schedule()
     updates = sched.update(plan, [SampledToken(7, -0.5, ((7, -0.5),))])
     assert updates[0].token.token_id == 7 and updates[0].finished
+
+
+def test_aborting_a_sibling_that_waits_with_shared_prompt_pages_frees_them():
+    """n = 2 with one free slot: once the leader has computed the prompt, its sibling waits for a slot holding
+    shared prompt pages. Aborting the request must give those back (the soak found them leaked)."""
+    sched, dev = make(max_num_seqs=1)
+    sched.add_request("n2", list(range(1, 11)), SamplingParams(n=2, temperature=0.0, max_tokens=8))
+    plan = sched.schedule()
+    sched.update(plan, dev.execute(plan))
+    [sibling] = [s for s in sched.waiting if s.request_id == "n2"]
+    assert sibling.pages  # the prompt pages it shares with the leader
+    sched.abort_request("n2")
+    sched.check_invariants()
+    assert sched.allocator.num_used_pages == 0 and not sched.has_requests

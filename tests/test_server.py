@@ -328,18 +328,21 @@ def test_full_queue_answers_429_with_retry_after(server):
     wait_until_idle(server)
     engine, limit = server.engine, server.engine.max_queued_requests
     long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    engine.max_queued_requests = 4
+    engine.max_queued_requests = 2  # requests accepted and not yet scheduled
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http, contextlib.ExitStack() as streams:
             running = streams.enter_context(http.stream("POST", "/v1/completions", json={**long, "n": 16}))
-            assert running.status_code == 200
-            waiting = streams.enter_context(http.stream("POST", "/v1/completions", json={**long, "n": 4}))
-            assert waiting.status_code == 200
-            wait_for(lambda: engine.stats().num_waiting >= 4, what="4 waiting sequences")
+            assert running.status_code == 200  # its 16 samples take every slot
+            wait_for(lambda: engine.stats().num_running == 16 and engine.num_queued == 0, what="16 running")
+            for _ in range(2):
+                waiting = streams.enter_context(http.stream("POST", "/v1/completions", json=long))
+                assert waiting.status_code == 200
+            assert engine.num_queued == 2
             for stream in (False, True):
                 refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
                 assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
                 assert refused.json()["error"]["type"] == "rate_limit_error"
+                assert "2 requests are already waiting" in refused.json()["error"]["message"]
     finally:
         engine.max_queued_requests = limit
     wait_until_idle(server)

@@ -14,6 +14,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine, bottleneck_monitor
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.server.app import build_app
+from jaxserve.server.command import uvicorn_config
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.state import ServerState
 
@@ -60,7 +61,7 @@ def serve_in_thread(state: ServerState) -> Iterator[LiveServer]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn_config(build_app(state), state.config.replace(log_level="warning"))  # `jaxserve serve`'s
     server = _ThreadServer(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()

@@ -1,5 +1,6 @@
-"""Server lifecycle: an engine that dies fails its requests (never hangs them) and turns /health 503; SIGTERM
-drains (503 for new requests, in-flight streams finish, exit 0); `jaxserve serve` start-up errors and --help."""
+"""Server lifecycle: a failing step fails only its requests; a dead engine fails its requests (never hangs them)
+and the server exits 1; SIGTERM drains (503 for new requests, in-flight streams finish, a half-sent request does
+not hold up exit, exit 0); `jaxserve serve` start-up errors and --help."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import jax
 import pytest
 
 from jaxserve.cli import main
@@ -32,12 +35,16 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_engine_failure_fails_in_flight_requests_and_health(converted, monkeypatch):
+def test_a_failing_step_fails_its_requests_and_the_server_serves_on(converted, monkeypatch):
+    """A host-side error in a step (not the device's): the requests in that step fail cleanly (a 500, an error
+    event), the engine goes on, /health stays 200."""
     model_dir = converted("llama3.1")
     engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE, show_progress=False)
+    real_dispatch = engine.core.runner.dispatch
 
     def broken_dispatch(*args, **kwargs):
-        raise RuntimeError("injected device failure")
+        monkeypatch.setattr(engine.core.runner, "dispatch", real_dispatch)  # once
+        raise RuntimeError("injected host failure")
 
     async def scenario(url: str, async_engine):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -45,7 +52,8 @@ def test_engine_failure_fails_in_flight_requests_and_health(converted, monkeypat
             async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as stream:
                 lines = stream.aiter_lines()
                 assert (await anext(lines)).startswith("data: ")
-                await asyncio.to_thread(wait_for, lambda: async_engine.stats().num_running == 2, 30, "both requests running")
+                await asyncio.to_thread(wait_for, lambda: async_engine.stats().num_running == 2, 30,
+                                        "both requests running")
                 monkeypatch.setattr(engine.core.runner, "dispatch", broken_dispatch)
                 rest = [line async for line in lines]
             return await whole, rest
@@ -53,18 +61,51 @@ def test_engine_failure_fails_in_flight_requests_and_health(converted, monkeypat
     with running_engine(engine) as async_engine, serve_in_thread(server_state(async_engine, model_dir)) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
         whole, rest = asyncio.run(scenario(server.url, async_engine))
-        assert whole.status_code == 500
-        assert "injected device failure" in whole.json()["error"]["message"]
+        assert whole.status_code == 500 and whole.headers["x-request-id"]
+        assert "injected host failure" in whole.json()["error"]["message"]
         events = [line for line in rest if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        assert "injected device failure" in json.loads(events[-2][6:])["error"]["message"]
-        health = httpx.get(f"{server.url}/health")
-        assert health.status_code == 503 and "injected device failure" in health.json()["error"]
-        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
-        alive = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
-                 if line.startswith("jaxserve:engine_alive")]
-        assert alive and alive[0].endswith(" 0.0")
+        assert "injected host failure" in json.loads(events[-2][6:])["error"]["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+
+
+def test_a_device_failure_fails_in_flight_requests_and_the_server_exits_1(converted, monkeypatch):
+    """The device fails (no --engine-restart): the stream in flight ends with an error event, the engine is
+    marked dead (what /health reports), and `serve` returns 1 at once, for the supervisor to restart the
+    process."""
+    from jaxserve.engine.async_engine import AsyncEngine, bottleneck_monitor
+    from jaxserve.server.command import serve
+    model_dir = converted("llama3.1")
+    engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE, show_progress=False)
+    async_engine = AsyncEngine(engine.core, monitor=bottleneck_monitor(engine.core)).start()
+    port = free_port()
+    result: list[int] = []
+    server = threading.Thread(target=lambda: result.append(serve(
+        async_engine, ServerConfig(port=port, log_level="warning", served_model_name=("tiny",)), str(model_dir))))
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: responds(url) or not server.is_alive(), 60, "the server to start")
+        assert server.is_alive(), result
+
+        def device_failure(*args, **kwargs):
+            raise jax.errors.JaxRuntimeError("INTERNAL: injected device failure")
+
+        with httpx.Client(base_url=url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")
+                monkeypatch.setattr(engine.core.runner, "dispatch", device_failure)
+                rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and "injected device failure" in rest[-2]
+        assert not async_engine.is_alive
+        server.join(10)
+        assert result == [1]
+    finally:
+        async_engine.stop()
+        server.join(10)
 
 
 def free_port() -> int:
@@ -102,8 +143,13 @@ def responds(url: str) -> bool:
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(serve_process):
+    """The generating stream finishes; a request whose body is still arriving gets 503 at once and does not hold
+    up exit: the process exits within 2 s of the last generating request."""
     process, url, log_path = serve_process
-    with httpx.Client(base_url=url, timeout=60) as client:
+    host, port = url.removeprefix("http://").split(":")
+    with httpx.Client(base_url=url, timeout=60) as client, socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # and nothing more
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True},
                            headers={"X-Request-Id": "drain-me"}) as stream:
             lines = stream.iter_lines()
@@ -113,10 +159,14 @@ def test_sigterm_drains_in_flight_streams_then_exits(serve_process):
                 wait_for(lambda: other.get("/health").status_code == 503, 10, "/health to turn 503")
                 refused = other.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            slow.settimeout(10)
+            assert slow.recv(65536).startswith(b"HTTP/1.1 503")
             rest = [line for line in lines if line]
+            generated = time.monotonic()
     events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
     assert rest[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
     assert process.wait(60) == 0
+    assert time.monotonic() - generated < 2.0
     log = log_path.read_text()
     assert "request_id=drain-me" in log and "draining" in log
 

@@ -29,13 +29,22 @@ def test_a_valid_request_passes():
 
 @pytest.mark.parametrize("field, value, words", [
     ("n", 0, "n must be in [1, 128], got 0"),
-    ("max_tokens", 0, "max_tokens must be >= 1"),
-    ("min_tokens", -1, "min_tokens must be >= 0"),
+    ("max_tokens", 0, "max_tokens must be in [1, 2147483647]"),
+    ("max_tokens", 2**31, "max_tokens must be in [1, 2147483647]"),
+    ("min_tokens", -1, "min_tokens must be in [0, 2147483647]"),
+    ("min_tokens", 2**31, "min_tokens must be in [0, 2147483647]"),
     ("temperature", 100.5, "temperature must be in [0, 100], got 100.5"),
     ("temperature", float("nan"), "temperature must be in [0, 100]"),
     ("temperature", "hot", "temperature must be in [0, 100]"),
     ("top_p", 0.0, "top_p must be in (0, 1], got 0"),
-    ("top_k", -2, "top_k must be >= -1"),
+    ("top_k", -2, "top_k must be in [-1, 2147483647]"),
+    ("top_k", 2**31, "top_k must be in [-1, 2147483647], got 2147483648"),  # killed the engine (np.int32)
+    ("n", 1.5, "n must be an integer, got 1.5"),
+    ("top_k", 2.0, "top_k must be an integer"),
+    ("temperature", None, "temperature must be in [0, 100], got None"),
+    ("temperature", float("inf"), "temperature must be in [0, 100]"),
+    ("ignore_eos", "yes", "ignore_eos must be true or false"),
+    ("skip_special_tokens", None, "skip_special_tokens must be true or false"),
     ("min_p", 1.5, "min_p must be in [0, 1]"),
     ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
     ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
@@ -57,6 +66,9 @@ def test_every_range_names_its_field(field, value, words):
     (SamplingParams(logit_bias={1: 101.0}), "logit_bias", "[-100, 100]"),
     (SamplingParams(logit_bias={100: 1.0}), "logit_bias", "token id 100, outside the vocabulary [0, 100)"),
     (SamplingParams(stop_token_ids=(3, -1)), "stop_token_ids", "token id -1"),
+    (SamplingParams(stop_token_ids=tuple(range(17))), "stop_token_ids", "at most 16"),
+    (SamplingParams(stop=["x" * 513]), "stop", "at most 512 characters"),
+    (SamplingParams(stop=["ok", "a\ud800"]), "stop", "not valid Unicode"),
 ])
 def test_stops_and_biases(params, param, words):
     error = error_of([1], params)
@@ -73,6 +85,30 @@ def test_prompt_token_ids_and_lengths():
     no_room = error_of([1] * 20, SamplingParams(max_tokens=13))
     assert no_room.param == "max_tokens" and no_room.code == CONTEXT_LENGTH_EXCEEDED
     assert str(no_room) == "prompt (20 tokens) + max_tokens (13) exceeds max_model_len 32"
+
+
+def test_min_tokens_is_bounded_by_the_context_when_max_tokens_is_absent():
+    """Chat without max_tokens: min_tokens must fit in what max_model_len leaves (2**31 killed the engine)."""
+    for min_tokens in (30, 2**31 - 1):
+        error = error_of([1] * 3, SamplingParams(max_tokens=None, min_tokens=min_tokens))
+        assert error.param == "min_tokens" and error.code == CONTEXT_LENGTH_EXCEEDED
+    assert "exceeds the 29 tokens max_model_len 32 leaves after the prompt (3 tokens)" in str(error)
+    validate_request([1] * 3, SamplingParams(max_tokens=None, min_tokens=29), LIMITS)
+
+
+def test_text_with_a_lone_surrogate_is_refused_where_it_enters():
+    from jaxserve.engine.engine import tokenize
+
+    class Tokenizer:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    with pytest.raises(InvalidRequestError) as error:
+        tokenize(Tokenizer(), "hi \ud800 there")
+    assert error.value.param == "prompt" and "(U+D800) at character 3" in str(error.value)
+    with pytest.raises(InvalidRequestError, match="prompt must be text or a sequence of integer token ids"):
+        tokenize(Tokenizer(), [1, 2.5])
+    assert tokenize(Tokenizer(), "ok") == ("ok", (111, 107))
 
 
 def test_renamed_speaks_the_requests_field_names():

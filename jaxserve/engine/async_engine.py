@@ -8,8 +8,21 @@ Nothing mutable crosses: requests go in as frozen EngineRequests, results come o
 each side keeps its own bookkeeping (the engine thread: which loop each request belongs to; each loop: its
 OutputProcessor). A stop string found on the loop goes back as a command, and the engine frees the sequence.
 
-The engine thread blocks on its command queue when it has no work, so nothing polls. If a step raises, every
-request in flight gets a final output carrying the error and the engine is marked dead (/health turns 503).
+The engine thread blocks on its command queue when it has no work, so nothing polls.
+
+What can go wrong, and what it costs:
+    one request's step preparation or output raises      that request fails (an output carrying the error)
+    a step raises on the host                             the requests in that step fail; the engine goes on
+    the device fails (EngineCore.step raises)             every request in flight fails; the engine is dead:
+                                                          rebuilt in place when `rebuild` is given and restarts
+                                                          are left, else the fatal listeners are told (the
+                                                          server exits non-zero for its supervisor to restart it)
+    a step runs longer than `step_timeout` (a hang)       the watchdog fails every request in flight, marks the
+                                                          engine hung and tells the fatal listeners: a thread
+                                                          stuck on the device can be neither stopped nor
+                                                          replaced beside it, so a hang is never restarted in place
+Admission is exact: `max_queued_requests` counts the requests accepted and not yet scheduled, at the moment
+of admission (not a count that is a step old).
 """
 
 from __future__ import annotations
@@ -17,24 +30,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import logging
 import queue
 import threading
 import time
 import weakref
-from typing import AsyncIterator, Sequence as Seq
+from typing import AsyncIterator, Callable, Sequence as Seq
 
-from jaxserve.engine.client import EngineDeadError, EngineInfo, QueueFullError
+from jaxserve.engine.client import EngineDeadError, EngineHungError, EngineInfo, QueueFullError
 from jaxserve.engine.engine import EngineCore, tokenize
 from jaxserve.engine.messages import EngineRequest, SchedulerStats, StepOutputs
-from jaxserve.engine.output import OutputProcessor
+from jaxserve.engine.output import OutputProcessor, RequestState
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.validation import validate_request
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineHungError", "QueueFullError", "RequestStream"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,18 +89,34 @@ class AsyncEngine:
     """An EngineClient over one EngineCore. After start() the core belongs to the engine thread: every other
     thread sees only `info`, `stats()` (a frozen snapshot), the monitor (fed frozen step records through its
     inbox) and the queues. `monitor`: the bottleneck monitor the step records go to (bottleneck_monitor(core);
-    replicas share one); without one there is no verdict to read."""
+    replicas share one); without one there is no verdict to read.
 
-    def __init__(self, core: EngineCore, max_queued_requests: int | None = None, monitor=None):
+    `rebuild`: makes a new core when the device failed (the old one is dropped first), at most `max_restarts`
+    times. `step_timeout`: seconds a step may run before the watchdog declares the engine hung (None: no
+    watchdog)."""
+
+    def __init__(self, core: EngineCore, max_queued_requests: int | None = None, monitor=None, *,
+                 rebuild: Callable[[], EngineCore] | None = None, max_restarts: int = 0,
+                 step_timeout: float | None = None):
         self._core = core
         self.info = engine_info(core)
         self._monitor = monitor
         self.max_queued_requests = max_queued_requests
+        self._rebuild = rebuild
+        self.restarts_left = max_restarts if rebuild is not None else 0
+        self.step_timeout = step_timeout
         self._commands: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="jaxserve-engine-watchdog", daemon=True)
+        self._stopping = threading.Event()
         self.error: BaseException | None = None
-        self._lock = threading.Lock()  # orders admission against the engine thread's last look at its queue
+        self.restarting = False
+        self._lock = threading.Lock()  # admission against the engine thread's last look at its queue; _queued
         self._closed = False
+        self._abandoned = False  # the watchdog gave up on a stuck engine thread: it must deliver nothing more
+        self._queued: set[str] = set()  # accepted, not yet scheduled (under _lock)
+        self._step_started: float | None = None  # time.monotonic while a step runs (engine thread writes)
+        self._fatal_listeners: list[Callable[[BaseException], None]] = []
         self._stats = SchedulerStats()  # replaced (never changed) by the engine thread after each step
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # engine thread only: where each request's outputs go
         self._processors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> its OutputProcessor
@@ -94,15 +124,29 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
         self._thread.start()
+        if self.step_timeout:
+            self._watchdog.start()
         return self
 
     def stop(self, timeout: float | None = 30.0) -> None:
+        self._stopping.set()
         self._commands.put(_STOP)
-        self._thread.join(timeout)
+        if not self._abandoned:  # a thread stuck on the device would never join
+            self._thread.join(timeout)
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def add_fatal_listener(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)` is called once, on an engine thread, when the engine stops for good (dead with no
+        restart left, or hung)."""
+        self._fatal_listeners.append(callback)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted and not yet scheduled."""
+        return len(self._queued)
 
     def stats(self) -> SchedulerStats:
         return self._stats
@@ -127,12 +171,12 @@ class AsyncEngine:
         processor = self._processor(loop)
         if request_id in processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        outputs: asyncio.Queue = asyncio.Queue()
+        news = asyncio.Event()
         arrival = time.monotonic()
         # Registered before the engine can produce anything for it: its first outputs may reach this loop
         # before this coroutine resumes.
-        processor.add(request_id, text if prompt_text is None else prompt_text, prompt_ids, params, arrival, kind,
-                      sink=outputs.put_nowait)
+        state = processor.add(request_id, text if prompt_text is None else prompt_text, prompt_ids, params, arrival,
+                              kind, notify=news.set)
         accepted = loop.create_future()
         try:
             self._submit(_Add(EngineRequest(request_id, prompt_ids, params, arrival, priority), loop, accepted))
@@ -141,7 +185,7 @@ class AsyncEngine:
             processor.drop(request_id)
             self.abort(request_id)  # the engine may have accepted it meanwhile (a cancelled wait)
             raise
-        return RequestStream(request_id, outputs, functools.partial(self._close, processor, request_id))
+        return RequestStream(request_id, state, news, functools.partial(self._close, processor, request_id))
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
                        priority: int = 0, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -168,20 +212,32 @@ class AsyncEngine:
         return processor
 
     def _submit(self, command: _Add) -> None:
-        """Admission. Under the lock, so no command lands in the queue after the engine thread emptied it."""
+        """Admission. Under the lock, so no command lands in the queue after the engine thread emptied it, and
+        the waiting count is exact."""
+        request_id = command.request.request_id
         with self._lock:
             if self._closed or not self.is_alive:
-                raise EngineDeadError(f"the engine is not running: {self.error!r}")
-            waiting = self._stats.num_waiting + self._commands.qsize()
-            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-                raise QueueFullError(f"{self._stats.num_waiting} requests are already waiting")
+                what = "restarting" if self.restarting else "not running"
+                raise EngineDeadError(f"the engine is {what}: {self.error!r}")
+            if self.max_queued_requests is not None and len(self._queued) >= self.max_queued_requests:
+                raise QueueFullError(f"{len(self._queued)} requests are already waiting, the most this server "
+                                     f"queues")
+            self._queued.add(request_id)
             self._commands.put(command)
 
+    def _dequeue(self, request_ids) -> None:
+        with self._lock:
+            self._queued.difference_update(request_ids)
+
     def _on_step(self, loop: asyncio.AbstractEventLoop, step: StepOutputs) -> None:
-        """On the loop: the step's deltas for this loop's requests become outputs; stop strings go back."""
-        _, stops = self._processor(loop).process(step)
+        """On the loop: the step's deltas for this loop's requests become outputs; stop strings go back, and so
+        do requests whose output could not be processed."""
+        processor = self._processor(loop)
+        _, stops = processor.process(step)
         for stop in stops:
             self._commands.put(_Finish(stop.request_id, stop.index, stop.stop))
+        while processor.failed:
+            self.abort(processor.failed.pop())
 
     def _on_failure(self, loop: asyncio.AbstractEventLoop, request_ids: tuple[str, ...], error: str) -> None:
         self._processor(loop).fail(request_ids, error, time.monotonic())
@@ -190,30 +246,106 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self._core.has_unfinished_requests()
-                if not self._drain_commands(block=idle):
-                    break
-                step = self._core.step()
-                self._stats = step.stats
-                if self._monitor is not None:
-                    self._monitor.submit(step.records)
-                self._deliver(step)
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
-            log.exception("engine loop failed")
-            self.error = exc
-            self._fail_all(exc)
+                try:
+                    self._serve()
+                    return  # asked to stop
+                except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
+                    if self._abandoned:
+                        return
+                    log.exception("engine loop failed")
+                    exc = self.error = _without_traceback(exc)  # its frames would keep the dead core alive
+                    self._fail_all(exc)
+                    if not self._restart(exc):
+                        self._give_up(exc)
+                        return
         finally:
-            self._reject_queued_requests()
+            if not self._abandoned:
+                self._reject_queued_requests()
 
-    def _reject_queued_requests(self) -> None:
-        """Requests still queued when the loop ends would otherwise wait for an acceptance that never comes."""
+    def _serve(self) -> None:
+        """Steps while there is work, blocks on the command queue when there is none; returns when stopped."""
+        while True:
+            idle = not self._core.has_unfinished_requests()
+            if not self._drain_commands(block=idle):
+                return
+            self._step_started = time.monotonic()
+            try:
+                step = self._core.step()
+            finally:
+                self._step_started = None  # a rebuild after a failed step is no hang
+            if self._abandoned:
+                return  # the watchdog already failed this step's requests
+            self._stats = step.stats
+            if self._monitor is not None:
+                self._monitor.submit(step.records)
+            self._deliver(step)
+
+    def _restart(self, exc: BaseException) -> bool:
+        """Replaces a core whose device failed, if restarts are left. True once the new core serves."""
+        if self.restarts_left <= 0 or self._stopping.is_set():
+            return False
+        self.restarts_left -= 1
+        self.restarting = True
+        log.warning("rebuilding the engine after %r (%d restart(s) left after this one)", exc, self.restarts_left)
+        self._reject_queued_requests(closing=False)
+        self._core = None  # dropped (device memory freed) before the new one plans its memory
+        gc.collect()
+        try:
+            core = self._rebuild()
+        except Exception:  # noqa: BLE001
+            log.exception("rebuilding the engine failed")
+            self.restarting = False
+            return False
+        self._core, self._stats, self._step_started = core, SchedulerStats(), None
+        self.restarting = False
+        self.error = None
+        log.warning("the engine was rebuilt and serves again")
+        return True
+
+    def _give_up(self, exc: BaseException) -> None:
+        """The engine stops for good: admission closes and the fatal listeners are told (once)."""
         with self._lock:
             self._closed = True
-        while not self._commands.empty():
-            command = self._commands.get_nowait()
+            listeners, self._fatal_listeners = self._fatal_listeners, []
+        for listener in listeners:
+            try:
+                listener(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("a fatal-error listener failed")
+
+    def _watch(self) -> None:
+        """The watchdog: a step that runs past step_timeout is a hang."""
+        interval = min(self.step_timeout / 4, 1.0)
+        while not self._stopping.wait(interval):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                self._abandon(EngineHungError(f"no engine step finished in {self.step_timeout:g} s: the device "
+                                              f"or the step is stuck"))
+                return
+
+    def _abandon(self, exc: EngineHungError) -> None:
+        """From the watchdog: the engine thread is stuck in a step. Everything waiting on it fails now; if the
+        thread ever comes back, it delivers nothing."""
+        log.critical("%s; failing every request in flight", exc)
+        self.error = exc
+        self._abandoned = True
+        self._fail_all(exc)
+        self._reject_queued_requests()
+        self._give_up(exc)
+
+    def _reject_queued_requests(self, closing: bool = True) -> None:
+        """Requests still queued when the loop ends would otherwise wait for an acceptance that never comes."""
+        with self._lock:
+            self._closed = self._closed or closing
+            self._queued.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
             if isinstance(command, _Add):
                 reason = EngineDeadError(f"the engine stopped: {self.error!r}")
-                command.loop.call_soon_threadsafe(_set_exception, command.accepted, reason)
+                _call_soon(command.loop, _set_exception, command.accepted, reason)
 
     def _drain_commands(self, block: bool) -> bool:
         """Applies queued commands; waits for one if the engine is idle. False once asked to stop."""
@@ -229,6 +361,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
+                self._dequeue((command.request_id,))
                 deltas = self._core.abort_request(command.request_id)
                 self._deliver(StepOutputs(deltas, self._stats, (command.request_id,), time.monotonic()))
             elif self._core.finish_sample(command.request_id, command.index, command.stop):
@@ -237,57 +370,83 @@ class AsyncEngine:
     def _add(self, command: _Add) -> None:
         try:
             self._core.add_request(command.request)
-        except ValueError as exc:
-            command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
+        except Exception as exc:  # noqa: BLE001 - refused alone (ValueError: an id in use; anything else: a bug)
+            if not isinstance(exc, ValueError):
+                log.exception("request %s could not be queued", command.request.request_id)
+            self._dequeue((command.request.request_id,))
+            _call_soon(command.loop, _set_exception, command.accepted, exc)
             return
         self._loops[command.request.request_id] = command.loop
-        command.loop.call_soon_threadsafe(_set_result, command.accepted, None)
+        _call_soon(command.loop, _set_result, command.accepted, None)
 
     def _deliver(self, step: StepOutputs) -> None:
         """One callback per event loop with that loop's deltas (usually there is one loop)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        scheduled = []
         for delta in step.deltas:
+            if delta.scheduled_time is not None:
+                scheduled.append(delta.request_id)
             loop = self._loops.get(delta.request_id)
             if loop is not None:
                 by_loop.setdefault(loop, []).append(delta)
+        self._dequeue(scheduled + list(step.finished_requests) + [request_id for request_id, _ in step.failed])
         for request_id in step.finished_requests:
             self._loops.pop(request_id, None)
         for loop, deltas in by_loop.items():
             part = StepOutputs(tuple(deltas), step.stats, (), step.time)
             _call_soon(loop, self._on_step, loop, part)
+        for request_id, error in step.failed:
+            loop = self._loops.pop(request_id, None)
+            if loop is not None:
+                _call_soon(loop, self._on_failure, loop, (request_id,), error)
 
     def _fail_all(self, exc: BaseException) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[str]] = {}
-        for request_id, loop in self._loops.items():
+        for request_id, loop in list(self._loops.items()):
             by_loop.setdefault(loop, []).append(request_id)
         self._loops.clear()
+        with self._lock:
+            self._queued.clear()
         for loop, request_ids in by_loop.items():
             _call_soon(loop, self._on_failure, loop, tuple(request_ids), f"{type(exc).__name__}: {exc}")
 
 
 class RequestStream:
-    """One accepted request's outputs, in order; the last has finished=True. close() before then aborts it."""
+    """One accepted request's outputs, in order; the last has finished=True. close() before then aborts it.
 
-    def __init__(self, request_id: str, outputs: asyncio.Queue, on_close):
+    Nothing is queued: the output processor applies each step to the request's state and sets `news`; reading
+    takes everything new since the last read as one output. A reader that stalls costs no memory beyond the
+    request's own text and tokens, and one that comes back has no backlog to work through."""
+
+    def __init__(self, request_id: str, state: RequestState, news: asyncio.Event, on_close):
         self.request_id = request_id
         self.finished = False
-        self._outputs = outputs
+        self._state = state
+        self._news = news
         self._on_close = on_close
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        output = await self._outputs.get()
-        self.finished = output.finished
-        return output
+        while not self.finished:
+            await self._news.wait()
+            self._news.clear()
+            output = self._state.output(time.monotonic())
+            if output is not None:
+                self.finished = output.finished
+                return output
+        raise StopAsyncIteration
 
     def close(self) -> None:
         if not self.finished:
             self.finished = True
             self._on_close()
+
+
+def _without_traceback(exc: BaseException) -> BaseException:
+    exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+    return exc
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

@@ -4,6 +4,7 @@ on nothing else of jaxserve.engine. No jax here.
 
     add_request(id, prompt ids, params)  -> RequestStream of RequestOutputs (frozen), validated on the way in
     abort(id)                            ends a request (closing its stream does too)
+    add_fatal_listener(callback)         told when the engine stops for good (dead, no restart left; or hung)
     stats()                              SchedulerStats: a frozen snapshot, at most one step old
     info                                 what does not change: tokenizer, model config, limits
     monitor                              the bottleneck monitor over the engine's step records
@@ -12,7 +13,7 @@ on nothing else of jaxserve.engine. No jax here.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.messages import SchedulerStats
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error; the message says which."""
+
+
+class EngineHungError(EngineDeadError):
+    """A step ran longer than the step timeout: the engine is stuck, and is given up."""
 
 
 class QueueFullError(RuntimeError):
@@ -80,6 +85,11 @@ class EngineClient(Protocol):
     def monitor(self) -> "BottleneckMonitor": ...
 
     def stats(self) -> SchedulerStats: ...
+
+    def add_fatal_listener(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)` runs once, on an engine thread, when the engine stops for good (dead with no
+        restart left, or hung): a server exits non-zero then, for its supervisor to restart it."""
+        ...
 
     async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
                           priority: int = 0, prompt_text: str | None = None,

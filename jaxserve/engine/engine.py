@@ -13,7 +13,9 @@ Timing and cost accounting sit behind `self.meter` (jaxserve.engine.stats.StepMe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import operator
 import os
 import time
 from typing import Callable, Sequence as Seq
@@ -45,7 +47,7 @@ from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Scheduler, SchedulerConfig,
                                           SequenceUpdate, StepPlan)
-from jaxserve.validation import RequestLimits, validate_request
+from jaxserve.validation import InvalidRequestError, RequestLimits, check_text, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -205,23 +207,75 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> StepOutputs:
         """Schedules and dispatches the next step, then reads back the previous one's results (or, without
-        async_scheduling, this step's own) and turns them into deltas."""
+        async_scheduling, this step's own) and turns them into deltas.
+
+        A host-side error fails only the requests it concerns (StepOutputs.failed): one request's slot row, or
+        every request of the step it broke. A device error, or one that leaves the device state unusable,
+        raises: the engine is dead."""
         self.meter.step_started(self._in_flight)
         plan = self.scheduler.schedule()
-        pending = self._dispatch(plan) if not plan.is_empty else None
+        plan, failed = self._assign_slots(plan)
+        try:
+            pending = self._dispatch(plan) if not plan.is_empty else None
+        except Exception as exc:
+            return self._failed_step(exc, failed, plan)
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, pending
         else:
             previous = pending
-        deltas, finished, record = self._finish_step(previous) if previous is not None else ((), (), None)
+        try:
+            deltas, finished, record = self._finish_step(previous) if previous is not None else ((), (), None)
+        except Exception as exc:
+            self._in_flight = None  # its rows are failed with the step's
+            return self._failed_step(exc, failed, previous.plan, plan)
         return StepOutputs(self._scheduling_deltas(plan) + deltas, self.stats_snapshot(), finished,
-                           time.monotonic(), (record,) if record is not None else ())
+                           time.monotonic(), (record,) if record is not None else (), failed)
+
+    def _assign_slots(self, plan: StepPlan) -> tuple[StepPlan, tuple[tuple[str, str], ...]]:
+        """Writes the slot rows of the plan's new sequences. A request whose row cannot be built fails alone: its
+        rows leave the plan (the scheduler forgets it), the others run."""
+        failed: dict[str, str] = {}
+        for assignment in plan.new_slots:
+            if assignment.request_id in failed:
+                continue
+            try:
+                row = slot_row(assignment.token_ids, assignment.num_prompt_tokens, assignment.params,
+                               assignment.seed, self.scheduler.eos_token_ids, self.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - the request's own values; the engine goes on
+                log.exception("request %s: its slot row could not be built", assignment.request_id)
+                failed[assignment.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            self.runner.assign_slot(assignment.slot, row)
+        if not failed:
+            return plan, ()
+        for request_id in failed:
+            self.scheduler.fail_request(request_id)
+        seqs = tuple(row for row in plan.seqs if row.request_id not in failed)
+        plan = dataclasses.replace(plan, seqs=seqs, num_tokens=sum(row.num_new_tokens for row in seqs),
+                                   new_slots=tuple(a for a in plan.new_slots if a.request_id not in failed))
+        return plan, tuple(failed.items())
+
+    def _failed_step(self, exc: Exception, failed: tuple[tuple[str, str], ...], *plans: StepPlan | None
+                     ) -> StepOutputs:
+        """A step raised: unless the device is at fault, its requests fail and the engine goes on."""
+        if self._device_failed(exc):
+            raise exc
+        log.exception("a step failed; its requests fail, the engine goes on")
+        message = f"{type(exc).__name__}: {exc}"
+        request_ids = dict.fromkeys(row.request_id for plan in plans if plan is not None for row in plan.seqs)
+        for request_id in request_ids:
+            self.scheduler.fail_request(request_id)
+        return StepOutputs((), self.stats_snapshot(), (), time.monotonic(),
+                           failed=failed + tuple((request_id, message) for request_id in request_ids))
+
+    def _device_failed(self, exc: Exception) -> bool:
+        """Errors no request can be blamed for: the runtime's, lost device buffers (donated to a call that
+        failed), or any step error in a multi-host run (the followers may have run what the leader did not)."""
+        if isinstance(exc, (jax.errors.JaxRuntimeError, MemoryError)) or self.runner.mirror is not None:
+            return True
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.runner.kv, self.runner.slots)))
 
     def _dispatch(self, plan: StepPlan) -> PendingStep:
-        for assignment in plan.new_slots:
-            self.runner.assign_slot(assignment.slot, slot_row(
-                assignment.token_ids, assignment.num_prompt_tokens, assignment.params, assignment.seed,
-                self.scheduler.eos_token_ids, self.max_model_len))
         flags = SamplingFlags.NONE
         for row in plan.seqs:
             flags |= SamplingFlags.of(row.params)
@@ -318,7 +372,11 @@ class LLMEngine:
         step = self.core.step()
         outputs, stops = self.processor.process(step)
         for stop in stops:
-            self.core.finish_sample(stop.request_id, stop.index)
+            self.core.finish_sample(stop.request_id, stop.index, stop.stop)
+        for request_id, error in step.failed:
+            outputs.extend(self.processor.fail((request_id,), error, step.time))
+        while self.processor.failed:  # their outputs could not be processed: the engine stops them
+            self.core.abort_request(self.processor.failed.pop())
         return outputs
 
     def run_until_done(self) -> list[RequestOutput]:
@@ -337,8 +395,12 @@ def tokenize(tokenizer, prompt: str | Seq[int]) -> tuple[str | None, tuple[int, 
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass prompts as token ids")
+        check_text("prompt", prompt)
         return prompt, tuple(tokenizer.encode(prompt))
-    return None, tuple(int(t) for t in prompt)
+    try:
+        return None, tuple(operator.index(t) for t in prompt)
+    except TypeError:
+        raise InvalidRequestError("{prompt} must be text or a sequence of integer token ids", "prompt") from None
 
 
 def _delta(row: ScheduledSequence, update: SequenceUpdate | None, chunk: PromptLogprobsChunk | None) -> SampleDelta:

@@ -85,3 +85,4 @@ class StepOutputs:
     finished_requests: tuple[str, ...] = ()  # every sample of these has ended: the core forgot them
     time: float = 0.0  # time.monotonic when the step's results were read
     records: tuple[StepRecord, ...] = ()  # the device steps whose results were read (for the bottleneck monitor)
+    failed: tuple[tuple[str, str], ...] = ()  # (request id, error): requests a step could not run; the core forgot them

@@ -16,11 +16,14 @@ appended and sliced from where the last output ended.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterable
 
 from jaxserve.engine.messages import PromptLogprobsChunk, SampleDelta, StepOutputs
 from jaxserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,18 +125,22 @@ class _Times:
 
 
 class RequestState:
-    """One request on the front end's side. `sink` (optional) is called with each of its outputs (AsyncEngine:
-    the put of the request's asyncio queue)."""
+    """One request on the front end's side. Without `notify`, the processor hands out its outputs as steps
+    apply; with it (AsyncEngine), the processor only calls notify() when there is news and the reader pulls
+    `output()` when it is ready: however many steps pass in between, the reader gets one output holding all of
+    them, and nothing piles up for a reader that stalls."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...],
                  params: SamplingParams, tokenizer, arrival_time: float, kind: OutputKind = OutputKind.DELTA,
-                 sink=None):
+                 notify=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.kind = kind
-        self.sink = sink
+        self.notify = notify
+        self.error: str | None = None  # why the request failed (it is finished then)
+        self.finish_time: float | None = None
         hold_back = max((len(s) for s in params.stop), default=1) - 1
         self.samples = [_Sample(_detokenizer(tokenizer, prompt_token_ids, params), hold_back)
                         for _ in range(params.n)]
@@ -186,9 +193,19 @@ class RequestState:
         for sample in self.samples:
             sample.finish(reason, None)
 
+    def fail(self, error: str) -> None:
+        """Ends every sample with "error" (without flushing a detokenizer: it may be what failed)."""
+        if self.error is None:
+            self.error = error
+        for sample in self.samples:
+            sample.detokenizer = None
+            sample.finish("error", None)
+
     def output(self, now: float, error: str | None = None) -> RequestOutput | None:
         """This request's output after the deltas applied so far, by its OutputKind; None when there is
         nothing to say (FINAL_ONLY before the end, DELTA without news)."""
+        error = error or self.error
+        now = self.finish_time if self.finish_time is not None else now
         finished = self.finished
         with_logprobs = self.params.logprobs is not None
         if self.kind is OutputKind.DELTA:  # the final output lists every sample, so it tells how each ended
@@ -222,10 +239,12 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.failed: list[str] = []  # requests process() failed since the caller last emptied this
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...], params: SamplingParams,
-            arrival_time: float, kind: OutputKind = OutputKind.DELTA, sink=None) -> RequestState:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time, kind, sink)
+            arrival_time: float, kind: OutputKind = OutputKind.DELTA, notify=None) -> RequestState:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time, kind,
+                             notify)
         self.states[request_id] = state
         return state
 
@@ -234,14 +253,22 @@ class OutputProcessor:
         self.states.pop(request_id, None)
 
     def process(self, step: StepOutputs) -> tuple[list[RequestOutput], list[StopFinish]]:
-        """Applies a step's deltas; returns the outputs to hand out and the samples stop strings ended."""
+        """Applies a step's deltas; returns the outputs to hand out and the samples stop strings ended. A delta
+        that cannot be applied (detokenizing raised) fails its request alone, which is then in `self.failed`
+        for the caller to abort in the engine."""
         touched: dict[str, RequestState] = {}
         finishes = []
         for delta in step.deltas:
             state = self.states.get(delta.request_id)
             if state is None:
                 continue
-            finish = state.apply(delta, step.time)
+            try:
+                finish = state.apply(delta, step.time)
+            except Exception as exc:  # noqa: BLE001 - one request's output must not take the others down
+                log.exception("request %s: its output could not be processed", delta.request_id)
+                state.fail(f"{type(exc).__name__}: {exc}")
+                self.failed.append(delta.request_id)
+                finish = None
             if finish is not None:
                 finishes.append(finish)
             touched[delta.request_id] = state
@@ -251,17 +278,19 @@ class OutputProcessor:
         """The engine failed: these requests end with finish_reason "error"."""
         states = [s for rid in request_ids if (s := self.states.get(rid)) is not None]
         for state in states:
-            state.finish_all("error")
-        return self._outputs(states, now, error)
+            state.fail(error)
+        return self._outputs(states, now)
 
-    def _outputs(self, states: Iterable[RequestState], now: float, error: str | None = None) -> list[RequestOutput]:
+    def _outputs(self, states: Iterable[RequestState], now: float) -> list[RequestOutput]:
         outputs = []
         for state in list(states):
-            output = state.output(now, error)
-            if output is not None:
+            if state.finished and state.finish_time is None:
+                state.finish_time = now
+            if state.notify is not None:
+                if state.finished or state.kind is not OutputKind.FINAL_ONLY:
+                    state.notify()  # its reader pulls the output
+            elif (output := state.output(now)) is not None:
                 outputs.append(output)
-                if state.sink is not None:
-                    state.sink(output)
             if state.finished:
                 self.states.pop(state.request_id, None)
         return outputs

@@ -113,12 +113,13 @@ class DataParallelCore:
     def step(self) -> StepOutputs:
         steps = [replica.step() for replica in self.replicas if replica.has_unfinished_requests()]
         finished = tuple(rid for step in steps for rid in step.finished_requests)
-        for request_id in finished:
+        failed = tuple(f for step in steps for f in step.failed)
+        for request_id in finished + tuple(request_id for request_id, _ in failed):
             self._replica_of.pop(request_id, None)
         return StepOutputs(tuple(d for step in steps for d in step.deltas),
                            SchedulerStats.combine([r.stats_snapshot() for r in self.replicas]), finished,
                            max((step.time for step in steps), default=0.0),
-                           tuple(r for step in steps for r in step.records))
+                           tuple(r for step in steps for r in step.records), failed)
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -137,9 +138,13 @@ class ReplicaRouter:
         self._replica_of: dict[str, int] = {}
 
     @classmethod
-    def over(cls, cores: Seq[EngineCore], max_queued_requests: int | None = None) -> "ReplicaRouter":
+    def over(cls, cores: Seq[EngineCore], max_queued_requests: int | None = None, rebuilds: Seq | None = None,
+             **supervision) -> "ReplicaRouter":
+        """`rebuilds[i]` rebuilds replica i; `supervision`: AsyncEngine's max_restarts and step_timeout."""
         monitor = bottleneck_monitor(cores[0])
-        return cls([AsyncEngine(core, monitor=monitor) for core in cores], max_queued_requests)
+        rebuilds = rebuilds or [None] * len(cores)
+        return cls([AsyncEngine(core, monitor=monitor, rebuild=rebuild, **supervision)
+                    for core, rebuild in zip(cores, rebuilds)], max_queued_requests)
 
     # ---- the EngineClient interface -------------------------------------------------------------------------
     @property
@@ -157,6 +162,19 @@ class ReplicaRouter:
     def monitor(self):
         """The replicas' shared monitor (every replica's step records)."""
         return self.replicas[0].monitor
+
+    @property
+    def num_queued(self) -> int:
+        return sum(r.num_queued for r in self.replicas)
+
+    @property
+    def restarting(self) -> bool:
+        return any(getattr(r, "restarting", False) for r in self.replicas)
+
+    def add_fatal_listener(self, callback) -> None:
+        """Any replica that stops for good stops the whole front (the server exits for its supervisor)."""
+        for replica in self.replicas:
+            replica.add_fatal_listener(callback)
 
     @property
     def loads(self) -> list[int]:
@@ -204,14 +222,13 @@ class ReplicaRouter:
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Waiting = what the replicas report, or (when they have not stepped since a burst arrived) what the front
-        routed and no replica runs yet, whichever is more."""
+        """Waiting = the requests the replicas accepted and have not scheduled yet (exact: each replica counts
+        them at admission, and the router admits and submits with no await in between)."""
         if not self.is_alive:
             raise EngineDeadError(f"a replica is not running: {self.error!r}")
-        stats = self.stats()
-        waiting = max(stats.num_waiting, sum(self._load) - stats.num_running)
+        waiting = self.num_queued
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-            raise QueueFullError(f"{waiting} requests are already waiting")
+            raise QueueFullError(f"{waiting} requests are already waiting, the most this server queues")
 
     def _release(self, request_id: str) -> None:
         index = self._replica_of.pop(request_id, None)
@@ -263,18 +280,28 @@ def build_engine(model_dir: str | os.PathLike, config: EngineConfig, show_progre
 
 
 def start_async_engine(model_dir: str | os.PathLike, config: EngineConfig, max_queued_requests: int | None = None,
-                       show_progress: bool = True) -> AsyncEngine | ReplicaRouter | None:
+                       show_progress: bool = True, *, max_restarts: int = 0, step_timeout: float | None = None
+                       ) -> AsyncEngine | ReplicaRouter | None:
     """The server's engine client, started: one AsyncEngine, or a ReplicaRouter over data_parallel_size of them
     sharing `max_queued_requests`. Multi-host: process 0 gets an AsyncEngine that also releases the followers
     when stopped; any other process runs the leader's steps until it stops, then gets None (serve nothing,
-    exit)."""
+    exit). A dead engine is rebuilt from the checkpoint in place at most `max_restarts` times (single-host only:
+    followers cannot follow a rebuild); `step_timeout` arms the hang watchdog."""
     if config.data_parallel_size == 1:
         core = EngineCore.from_model_dir(model_dir, config, show_progress=show_progress)
         if follow_if_follower(core) is not None:
             return None
-        return LeaderAsyncEngine(core, max_queued_requests, bottleneck_monitor(core)).start()
+        rebuild = (lambda: EngineCore.from_model_dir(model_dir, config, show_progress=False)
+                   ) if jax.process_count() == 1 else None
+        return LeaderAsyncEngine(core, max_queued_requests, bottleneck_monitor(core), rebuild=rebuild,
+                                 max_restarts=max_restarts, step_timeout=step_timeout).start()
     initialize(config.coordinator_address, config.num_processes, config.process_id)
-    return ReplicaRouter.over(build_replicas(model_dir, config, show_progress), max_queued_requests).start()
+    meshes = data_parallel_meshes(config)
+    cores = [EngineCore.from_model_dir(model_dir, config, show_progress=show_progress, mesh=mesh) for mesh in meshes]
+    rebuilds = [lambda mesh=mesh: EngineCore.from_model_dir(model_dir, config, show_progress=False, mesh=mesh)
+                for mesh in meshes]
+    return ReplicaRouter.over(cores, max_queued_requests, rebuilds, max_restarts=max_restarts,
+                              step_timeout=step_timeout).start()
 
 
 class LeaderAsyncEngine(AsyncEngine):
@@ -282,4 +309,5 @@ class LeaderAsyncEngine(AsyncEngine):
 
     def stop(self, timeout: float | None = 30.0) -> None:
         super().stop(timeout)
-        self._core.close()
+        if self._core is not None and not self._abandoned:
+            self._core.close()

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
+INT32_MAX = 2**31 - 1
 MAX_BANNED = 32  # EOS + stop token ids masked while fewer than min_tokens outputs exist
 
 
@@ -65,9 +66,11 @@ def slot_row(token_ids, num_prompt_tokens: int, params: SamplingParams, seed: in
     bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
     for i, (tok, value) in enumerate(params.logit_bias):
         bias_ids[i], bias_values[i] = tok, value
+    # Validation bounds both (jaxserve.validation); clamping keeps a value the device cannot hold from raising
+    # here, on the engine thread: min_len past max_len and top_k past the vocabulary mean the same as any larger.
     return dict(tokens=tokens, prompt_len=np.int32(num_prompt_tokens),
-                min_len=np.int32(num_prompt_tokens + params.min_tokens),
-                temperature=np.float32(params.temperature), top_k=np.int32(params.top_k),
+                min_len=np.int32(min(num_prompt_tokens + params.min_tokens, max_len + 1)),
+                temperature=np.float32(params.temperature), top_k=np.int32(min(params.top_k, INT32_MAX)),
                 top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
                 repetition_penalty=np.float32(params.repetition_penalty),
                 presence_penalty=np.float32(params.presence_penalty),

@@ -173,6 +173,13 @@ class Scheduler:
             self.finish(seq, "abort")
         return [seq.index for seq in unfinished]
 
+    def fail_request(self, request_id: str) -> None:
+        """Ends a request whose last step may not have run (it failed): like abort_request, except that pages
+        computed in that step are not offered to the prefix cache (their K/V may never have been written)."""
+        for seq in self.requests.get(request_id, []):
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_registered_pages * self.config.page_size)
+        self.abort_request(request_id)
+
     def finish_sample(self, request_id: str, index: int, reason: str, stop_reason: str | int | None = None) -> bool:
         """Finishes one sample of a request (a stop string ended it); True if the whole request is now over."""
         seqs = self.requests.get(request_id)
@@ -189,6 +196,8 @@ class Scheduler:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.allocator.free(seq.pages)  # a released fork waits holding the prompt pages it shares
+            seq.pages, seq.num_registered_pages, seq.num_computed_tokens = [], 0, 0
         self._drop_held_forks(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

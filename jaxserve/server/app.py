@@ -22,10 +22,10 @@ from starlette.routing import Route
 from jaxserve.server.chat import chat_prompt, check_chat_request, create_chat_completion
 from jaxserve.server.completions import create_completion
 from jaxserve.server.dashboard import dashboard, dashboard_data
-from jaxserve.server.errors import APIError, bad_request, internal_error
+from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import check_model, read_json, run_tokenizer
 from jaxserve.server.metrics import CONTENT_TYPE
-from jaxserve.server.middleware import Gatekeeper, RequestContext
+from jaxserve.server.middleware import ApiKeys, Gatekeeper, RequestContext
 from jaxserve.server.openapi import openapi_document
 from jaxserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from jaxserve.server.state import ServerState, server_of
@@ -46,7 +46,8 @@ async def health(request: Request) -> Response:
     if server.lifecycle.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not server.engine.is_alive:
-        return JSONResponse({"status": "dead", "error": repr(server.engine.error)}, status_code=503)
+        status = "restarting" if getattr(server.engine, "restarting", False) else "dead"
+        return JSONResponse({"status": status, "error": repr(server.engine.error)}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -117,21 +118,17 @@ async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
     return Response(status_code=499)  # the client left while sending its body; nobody reads this
 
 
-async def unexpected_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return internal_error(f"{type(exc).__name__}: {exc}").response()
-
-
 def build_app(server: ServerState) -> Starlette:
+    """Any other exception is answered by RequestContext (a 500 with the request id, logged once)."""
     config = server.config
     middleware = [
         Middleware(RequestContext, metrics=server.metrics, lifecycle=server.lifecycle,
                    routes=frozenset(route.path for route in ROUTES)),
-        Middleware(Gatekeeper, lifecycle=server.lifecycle, api_key=config.api_key,
-                   max_body_bytes=config.max_request_bytes, metrics=server.metrics),
+        Middleware(Gatekeeper, lifecycle=server.lifecycle, api_keys=ApiKeys(config.api_key, config.api_key_file),
+                   max_body_bytes=config.max_request_bytes, metrics=server.metrics,
+                   body_timeout=config.body_timeout),
     ]
-    handlers = {APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
-                Exception: unexpected_error}
+    handlers = {APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone}
     app = Starlette(routes=list(ROUTES), middleware=middleware, exception_handlers=handlers)
     app.state.server = server
     return app

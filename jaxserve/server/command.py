@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -26,12 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="DIR",
                         help=f"a jaxserve checkpoint (from `jaxserve convert`) (default: {DEFAULT_MODEL}, the "
                              f"bundled demo model)")
-    add_config_flags(parser.add_argument_group("server"), ServerConfig)
+    server = parser.add_argument_group("server")
+    server.add_argument("--api-key", action="append", metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize; repeat for "
+                             f"several keys (default: ${API_KEY_ENV})")
+    add_config_flags(server, ServerConfig, skip=("api_key",))
     add_engine_flags(parser.add_argument_group("engine"))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return config_from_args(ServerConfig, args, api_key=args.api_key or env_str(API_KEY_ENV) or None)
+    keys = tuple(args.api_key or ()) or (env_str(API_KEY_ENV),)
+    return config_from_args(ServerConfig, args, api_key=tuple(key for key in keys if key) or None)
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -52,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if config.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {config.log_level!r}")
         directory = model_dir(args)
+        check_server_config(config)
         logging.basicConfig(level=config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine_config = engine_config_from_args(args)
@@ -63,33 +70,62 @@ def run(args: argparse.Namespace) -> int:
     if engine is None:
         return 0  # a multi-host follower: it ran the leader's steps until the leader stopped
     try:
-        serve(engine, config, args.model or DEFAULT_MODEL, defaults)
+        status = serve(engine, config, args.model or DEFAULT_MODEL, defaults)
     finally:
         engine.stop()
-    return 0
+    exit_now(status)
+
+
+def exit_now(status: int) -> None:
+    """Ends the process once serving is over, skipping the interpreter's teardown: destroying XLA's clients takes
+    seconds, and a supervisor (or a rolling update) should see the exit as soon as draining ends."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def check_server_config(config: ServerConfig) -> None:
+    """What can be checked before the model loads: the API keys file, the limits."""
+    from jaxserve.server.middleware import ApiKeys
+    ApiKeys(config.api_key, config.api_key_file)  # raises ConfigError if the file cannot be read
+    if config.max_prompts_per_request < 1:
+        raise ConfigError("--max-prompts-per-request must be at least 1")
+    if config.engine_restart < 0:
+        raise ConfigError("--engine-restart must be >= 0")
 
 
 def start_engine(directory: Path, engine_config, config: ServerConfig):
     """An AsyncEngine, or a ReplicaRouter (the same interface) over --data-parallel-size replicas sharing the
     admission limit; None on a multi-host follower, after the leader stopped (jaxserve.engine.replicas)."""
     from jaxserve.engine.replicas import start_async_engine
-    return start_async_engine(directory, engine_config, config.max_queued_requests)
+    return start_async_engine(directory, engine_config, config.max_queued_requests,
+                              max_restarts=config.engine_restart, step_timeout=config.engine_step_timeout or None)
 
 
-def serve(engine, config: ServerConfig, model_path: str, sampling_defaults: dict | None = None) -> None:
+def uvicorn_config(app, config: ServerConfig):
+    """uvicorn's settings for the app: connection timeouts from `config`, a short grace after draining."""
     import uvicorn
 
+    from jaxserve.server.lifecycle import timed_protocol
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                          lifespan="off", http=timed_protocol(config.header_timeout),
+                          timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=1)
+
+
+def serve(engine, config: ServerConfig, model_path: str, sampling_defaults: dict | None = None) -> int:
+    """Serves until a signal (exit status 0 after draining) or until the engine stops for good (1)."""
     from jaxserve.server.app import build_app
     from jaxserve.server.lifecycle import DrainingServer
     from jaxserve.server.state import ServerState
     state = ServerState.build(engine, config, model_path, sampling_defaults)
-    uvicorn_config = uvicorn.Config(build_app(state), host=config.host, port=config.port,
-                                    log_level=config.log_level, access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5)
     if not config.access_log:
         logging.getLogger("jaxserve.access").setLevel(logging.WARNING)
     log.info("serving %s as %s on http://%s:%d", model_path, state.model_name, config.host, config.port)
     if state.sampling_defaults:
         log.info("default sampling from generation_config.json: %s (--generation-config vllm ignores it)",
                  state.sampling_defaults)
-    DrainingServer(uvicorn_config, state.lifecycle, config.drain_timeout).run()
+    server = DrainingServer(uvicorn_config(build_app(state), config), state.lifecycle, config.drain_timeout)
+    engine.add_fatal_listener(server.engine_stopped)
+    server.run()
+    return server.exit_code

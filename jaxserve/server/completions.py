@@ -29,7 +29,7 @@ from jaxserve.server.state import ServerState, server_of
 async def create_completion(request: Request) -> Response:
     server = server_of(request)
     body = parse_request(CompletionRequest, await read_json(request))
-    check_completion_request(body)
+    check_completion_request(body, server.config.max_prompts_per_request)
     check_model(server, body.model)
     prompts = await run_tokenizer(completion_prompts, server, body)
     view = CompletionView(server, body, prompts)
@@ -38,7 +38,10 @@ async def create_completion(request: Request) -> Response:
     return await respond(request, view, streams)
 
 
-def check_completion_request(body: CompletionRequest) -> None:
+def check_completion_request(body: CompletionRequest, max_prompts: int | None = None) -> None:
+    if body.is_batch and max_prompts is not None and len(body.prompt) > max_prompts:
+        raise bad_request(f"prompt holds {len(body.prompt)} prompts; this server takes at most {max_prompts} per "
+                          f"request (--max-prompts-per-request)", param="prompt")
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens must be at least 1 (0 is accepted only with echo, to score the prompt)",
                           param="max_tokens")

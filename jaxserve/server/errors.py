@@ -5,6 +5,8 @@ Handlers raise APIError; the app's exception handlers turn it (and any other exc
 
 from __future__ import annotations
 
+import json
+
 from starlette.responses import JSONResponse
 
 
@@ -25,7 +27,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote the client's input, lone
+    surrogates included, and must still encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -40,6 +50,11 @@ def unauthorized() -> APIError:
 def payload_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds the server's limit of {limit} bytes",
                     code="request_too_large")
+
+
+def request_timeout(seconds: float) -> APIError:
+    return APIError(408, f"the request body did not arrive within {seconds:g} s", code="request_timeout",
+                    headers={"Connection": "close"})
 
 
 def too_many_requests(message: str, retry_after_seconds: int) -> APIError:

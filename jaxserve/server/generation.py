@@ -18,7 +18,7 @@ from jaxserve.server.errors import bad_request, service_unavailable, too_many_re
 from jaxserve.server.protocol import SamplingFields
 from jaxserve.server.state import ServerState
 from jaxserve.server.streaming import close_all
-from jaxserve.validation import InvalidRequestError
+from jaxserve.validation import InvalidRequestError, unicode_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +28,34 @@ class Prompt:
 
 
 async def read_json(request: Request):
-    """The body as JSON. Malformed JSON, NaN/Infinity and invalid UTF-8 are 400s."""
+    """The body as JSON. Malformed JSON, NaN/Infinity, invalid UTF-8 and strings that are not valid Unicode (a
+    lone surrogate escape such as "\\ud800", which JSON allows and nothing downstream can encode) are 400s."""
     body = await request.body()
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        value = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        _check_strings(value, "")
+    except RecursionError:
+        raise bad_request("the request body nests too deeply", code="invalid_json") from None
+    return value
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """Every string of a decoded body, keys too, is valid Unicode; the error names where one is not."""
+    if isinstance(value, str):
+        problem = unicode_problem(value)
+        if problem is not None:
+            raise bad_request(f"{path or 'the request body'} {problem}", param=path or None)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (str, list, dict)):  # a long list of token ids costs one test per id
+                _check_strings(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, path)
+            _check_strings(item, f"{path}.{key}" if path else key)
 
 
 def _reject_constant(name: str):

@@ -30,7 +30,7 @@ class Operation:
     request: type | None = None
     streams: bool = False
     needs_key: bool = True
-    errors: tuple[int, ...] = (400, 401, 413, 429, 500, 503)
+    errors: tuple[int, ...] = (400, 401, 408, 413, 429, 500, 503)
     media_type: str = "application/json"
 
 
@@ -41,10 +41,11 @@ OPERATIONS = (
               streams=True),
     Operation("/v1/models", "get", "List the served model", ref(ModelList), errors=(401,)),
     Operation("/tokenize", "post", "Text or chat messages to token ids", ref(Tokenized), TokenizeRequest,
-              errors=(400, 401, 413, 503)),
+              errors=(400, 401, 408, 413, 500, 503)),
     Operation("/detokenize", "post", "Token ids to text", ref(Detokenized), DetokenizeRequest,
-              errors=(400, 401, 413, 503)),
-    Operation("/health", "get", "200 while the engine runs; 503 once it died or the server drains", ref(Health),
+              errors=(400, 401, 408, 413, 500, 503)),
+    Operation("/health", "get", "200 while the engine runs; 503 while it restarts, once it died or hung, or while "
+              "the server drains", ref(Health),
               needs_key=False, errors=(503,)),
     Operation("/metrics", "get", "Prometheus metrics", {"type": "string"}, needs_key=False, errors=(),
               media_type="text/plain"),
@@ -105,8 +106,9 @@ def _operation_id(op: Operation) -> str:
 ERROR_DESCRIPTIONS = {
     400: "invalid request; error.param names the field",
     401: "missing or wrong API key (when the server has one)",
+    408: "the request body did not arrive within the body timeout",
     413: "request body over the size limit",
     429: "waiting queue full; retry after the Retry-After header's seconds",
-    500: "the engine failed while generating",
+    500: "the engine failed while generating, or an internal error (JSON with the x-request-id)",
     503: "the server is draining or the engine is not running",
 }

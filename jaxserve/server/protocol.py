@@ -18,8 +18,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       model_validator)
 
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.validation import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_TOKEN_ID, SAMPLING_RANGES,
-                                 format_number)
+from jaxserve.validation import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS,
+                                 MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, SAMPLING_RANGES, format_number)
 
 
 def _integral(value: Any) -> Any:
@@ -34,7 +34,6 @@ def _integral_items(value: Any) -> Any:
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1), BeforeValidator(_integral_items)]
-NonEmptyString = Annotated[str, Field(min_length=1)]
 
 
 def _bounds(name: str, changes: dict[str, Any]) -> dict[str, float]:
@@ -82,8 +81,9 @@ def _string_or_object(value: Any) -> str | None:
 PromptInput = one_of("a string or an array of strings or an array of integers or an array of arrays of integers",
                      _prompt_kind, **{"<text>": str, "<texts>": Annotated[list[str], Field(min_length=1)],
                                       "<ids>": TokenIds, "<id lists>": Annotated[list[TokenIds], Field(min_length=1)]})
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LENGTH)]
 Stop = one_of("a string or an array of strings", _text_or_list, **{
-    "<text>": NonEmptyString, "<list>": Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)]})
+    "<text>": StopString, "<list>": Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]})
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
                            Annotated[float, Field(**LOGIT_BIAS_RANGE.bounds())]], Field(max_length=MAX_LOGIT_BIAS)]
 UNION_TAGS = frozenset({"<text>", "<texts>", "<ids>", "<id lists>", "<list>", "<object>"})
@@ -157,7 +157,7 @@ class SamplingFields(RequestModel):
     logit_bias: LogitBias | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     seed: int_in("seed") | None = Field(None, description="per-request seed: the same seed, the same sample")
     stop: Stop | None = Field(None, description="strings that end a sample; not included in the text")
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = False
     min_tokens: int_in("min_tokens") | None = 0
     include_stop_str_in_output: bool | None = False

@@ -12,6 +12,7 @@ An engine failure fails the request: 500 before the response started, else a fin
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import AsyncIterator, Sequence
@@ -21,12 +22,14 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.client import RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.server.errors import engine_failed
+from jaxserve.server.errors import engine_failed, internal_error
 from jaxserve.server.generation import Prompt
 from jaxserve.server.protocol import SamplingFields
 from jaxserve.server.state import ServerState
-from jaxserve.server.streaming import (SSE_DONE, ClientDisconnected, EventStreamResponse, merge_streams, sse_event,
-                                       until_disconnect)
+from jaxserve.server.streaming import (SSE_DONE, ClientDisconnected, EventStreamResponse, merge_streams, sse_error,
+                                       sse_event, until_disconnect)
+
+log = logging.getLogger(__name__)
 
 
 class ResponseView:
@@ -83,12 +86,23 @@ class ResponseView:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        """The stream's events. A failure (the engine's, or shaping a chunk) ends it with an error event and
+        [DONE]: the status line is long gone, and the connection stays usable."""
+        try:
+            async for event in self._events(outputs):
+                yield event
+        except Exception as exc:  # noqa: BLE001
+            log.exception("streamed response %s failed", self.id)
+            yield sse_error(internal_error(f"{type(exc).__name__}: {exc}"))
+            yield SSE_DONE
+
+    async def _events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         for choice in self.opening_choices():
             yield self.chunk([choice])
         finals: list[RequestOutput] = []
         async for prompt_index, output in outputs:
             if output.error is not None:
-                yield sse_event(engine_failed(output.error).body())
+                yield sse_error(engine_failed(output.error))
                 yield SSE_DONE
                 return
             for sample in output.outputs:

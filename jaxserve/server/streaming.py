@@ -30,6 +30,11 @@ def sse_event(payload: dict) -> bytes:
     return f"data: {to_json(payload)}\n\n".encode()
 
 
+def sse_error(error) -> bytes:
+    """An APIError as an event; ASCII JSON, since its message may quote anything."""
+    return f"data: {json.dumps(error.body(), ensure_ascii=True, separators=(',', ':'))}\n\n".encode()
+
+
 class EventStreamResponse(StreamingResponse):
     """text/event-stream that runs `on_close` however the response ends (finished, client gone, cancelled),
     even when the body iterator never started."""
