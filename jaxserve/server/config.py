@@ -11,12 +11,13 @@ class ServerConfig:
     host: str = "127.0.0.1"  # address to listen on (0.0.0.0: every interface)
     port: int = 8000  # TCP port
     api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize (default: $JAXSERVE_API_KEY)
-    served_model_name: tuple[str, ...] | None = None  # names clients may send as `model`, comma-separated; the first is reported (default: the --model path)
+    served_model_name: tuple[str, ...] | None = None  # names clients may send as `model`, comma-separated; the first is reported (default: the --model directory's base name; its path is accepted too)
     max_queued_requests: int | None = 1024  # waiting sequences beyond which new requests get 429
     retry_after: int = 1  # seconds a 429 asks the client to wait (Retry-After)
     max_request_bytes: int = 4 * 2**20  # larger request bodies get 413
     drain_timeout: float = 300.0  # on SIGTERM: seconds in-flight requests may take to finish before exit
-    log_level: str = "info"  # debug | info | warning | error | critical
+    log_level: str = "info"  # debug | info | warning | error | critical: jaxserve's and uvicorn's lines; other libraries log warnings and worse unless debug
+    log_format: str = "text"  # text | json (one JSON object per line, for log shippers)
     access_log: bool = True  # one line per request, with its X-Request-Id
 
     def replace(self, **changes) -> "ServerConfig":
