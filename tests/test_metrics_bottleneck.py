@@ -19,7 +19,8 @@ make each regime unambiguous whatever the load on the machine:
              fixed cost of running the step's operations sets its time.
 
 Compute vs bandwidth is decided by intensity against the ridge point (a ratio of the two ceilings, which moves
-little with load); host vs device by the idle fraction; latency by how far below both ceilings the steps stay. Each test prints its numbers (pytest -s shows them).
+little with load); host vs device by the idle fraction; latency by how far below both ceilings the steps stay.
+Each test prints its numbers (pytest -s shows them).
 """
 
 from __future__ import annotations

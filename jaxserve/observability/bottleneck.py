@@ -137,7 +137,8 @@ class _StepSizes:
 class BottleneckMonitor:
     """The verdict over the step records that engine threads hand it (`submit`, frozen StepRecords through a
     thread-safe inbox); the reader's side (a scrape, the dashboard) drains the inbox into a window of its own when
-    it asks. Nothing samples on a timer and nothing here is shared with an engine thread but the inbox."""
+    it asks. Nothing samples on a timer and nothing here is shared with an engine thread but the inbox (and the
+    lock, under which an engine thread drains the inbox itself when nobody has read it for MAX_PENDING steps)."""
 
     MAX_RECORDS = 1 << 16  # the window's cap, whatever its length in seconds
     MAX_PENDING = 1 << 12  # step batches the inbox holds before the engine thread drains it (nobody scraping)
