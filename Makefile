@@ -11,7 +11,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: test test-slow serve bench-cpu clean browser
+.PHONY: test test-slow serve bench-cpu clean browser prometheus
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"jaxserve needs Python >= 3.12 (JAX >= 0.11 does); $(PYTHON) is {sys.version.split()[0]}. Set PYTHON=/path/to/python3.12"'
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install --quiet -c requirements-dev.txt -e '.[test,train]'
 	touch $(STAMP)
 
-test: $(STAMP) browser
+test: $(STAMP) browser prometheus
 	$(PY) -m pytest -q -m "not slow"
 
 # The dashboard's browser test (tests/test_dashboard.py) drives Debian's Chromium with Playwright: installed here
@@ -33,6 +33,15 @@ ifneq ($(JAXSERVE_SKIP_BROWSER),1)
 		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
 		>/dev/null; } || echo "could not install chromium: tests/test_dashboard.py will fail (see above)"
 	@$(PY) -c 'import playwright' 2>/dev/null || $(PY) -m pip install --quiet -c requirements-dev.txt playwright
+endif
+
+# The Grafana dashboard's test (tests/test_grafana_dashboard.py) evaluates its queries in Debian's Prometheus:
+# installed here when missing, like chromium; JAXSERVE_SKIP_PROMETHEUS=1 skips the install (the test then skips).
+prometheus:
+ifneq ($(JAXSERVE_SKIP_PROMETHEUS),1)
+	@command -v prometheus >/dev/null 2>&1 || { echo "installing Debian's prometheus for the dashboard query test"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
+		>/dev/null; } || echo "could not install prometheus: tests/test_grafana_dashboard.py will skip"
 endif
 
 test-slow: $(STAMP)

@@ -133,7 +133,8 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
 def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None,
                          dtype: str | None = None) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face `config.json` dict (and optionally `generation_config.json`)."""
-    archs = hf.get("architectures") or []
+    archs = hf.get("architectures") or [arch for arch, family in SUPPORTED_ARCHITECTURES.items()
+                                        if family == hf.get("model_type")]  # as AutoModelForCausalLM picks
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"unsupported architecture {archs or hf.get('model_type')!r}: "

@@ -49,8 +49,20 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SampleMetrics:
+    """Times (time.monotonic) of one of a request's n samples. vLLM runs each sample as a child request, so its
+    request metrics count samples; the server's metrics do the same from these (docs/metrics.md)."""
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: tuple[float, ...] = ()  # seconds between the sample's token-bearing steps
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RequestMetrics:
-    """Times (time.monotonic) of one request, as its output processor saw them; on its final output."""
+    """Times (time.monotonic) of one request, as its output processor saw them; on its final output. The
+    request-level times span its samples (first of the firsts, last of the lasts); `samples` has each one's."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -58,6 +70,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     inter_token_latencies: tuple[float, ...] = ()  # seconds between the request's token-bearing steps
+    samples: tuple[SampleMetrics, ...] = ()  # one per sample, in index order
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -241,6 +241,29 @@ def test_out_dir_must_not_be_the_source_or_a_file(tmp_path):
     convert_fails(hf, tmp_path / "file", "is a file")
 
 
+@pytest.mark.parametrize("where", ["proc", "under a file"])
+def test_unwritable_out_dir_fails_in_one_line_before_any_tensor_is_read(tmp_path, monkeypatch, where):
+    hf = hf_copy(tmp_path, "llama2")
+    monkeypatch.setattr("jaxserve.convert.converter.read_params",
+                        lambda *a: pytest.fail("read tensors before checking that OUT_DIR can be written"))
+    if where == "proc":
+        message = convert_fails(hf, Path("/proc/jaxserve-convert-test/out"), "cannot write to OUT_DIR")
+    else:
+        (tmp_path / "file").write_text("")
+        message = convert_fails(hf, tmp_path / "file" / "sub" / "out", "is a file, not a directory")
+    assert "\n" not in message
+    assert not (tmp_path / "file" / "sub").exists()
+
+
+def test_config_without_architectures_is_read_by_its_model_type(tmp_path):
+    """transformers' AutoModelForCausalLM picks the class from model_type when architectures is absent."""
+    hf = hf_copy(tmp_path, "llama2")
+    edit_config(hf, architectures=...)
+    assert ModelConfig.load(convert(hf, tmp_path / "out", progress=False)).architecture == "LlamaForCausalLM"
+    edit_config(hf, architectures=..., model_type="gpt2")
+    convert_fails(hf, tmp_path / "out2", "'gpt2'")
+
+
 # ---------------------------------------------------------------------------------------------- user errors
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):

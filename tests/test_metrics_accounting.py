@@ -16,7 +16,7 @@ from jaxserve.engine.stats import SAMPLE_INTERVAL, EngineStats, StepClock, StepR
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.observability import ceilings as ceilings_module
 from jaxserve.observability.bottleneck import BottleneckMonitor, classify, window_report
-from jaxserve.observability.ceilings import CACHE_FILE, DeviceCeilings, device_ceilings
+from jaxserve.observability.ceilings import CACHE_FILE, DeviceCeilings, device_ceilings, si_rate
 from jaxserve.observability.cost import ModelCost
 from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
@@ -129,7 +129,9 @@ def test_costs_are_linear_so_totals_price_like_records():
     (10, 0.6, 0.9, 0.9, 0.1, "host"),  # host first: the device waits whatever else is true
     (10, 0.4, 0.5, 0.9, 0.1, "capacity"),
     (10, 0.4, 0.4, 0.3, 0.2, "compute"),
-    (10, 0.0, 0.0, 0.01, 0.02, "bandwidth"),
+    (10, 0.0, 0.0, 0.02, 0.05, "bandwidth"),  # at the latency threshold, the roofline decides
+    (10, 0.0, 0.0, 0.03, 0.04, "latency"),  # near neither ceiling: fixed per-step costs
+    (10, 0.4, 0.6, 0.01, 0.01, "capacity"),  # waiting for pages comes first
 ])
 def test_classify_rules_in_order(steps, idle, capacity, compute, bandwidth, verdict):
     assert classify(steps, idle, capacity, compute, bandwidth) == verdict
@@ -158,6 +160,27 @@ def test_monitor_reads_only_the_window_of_every_replica():
         monitor.submit([stats.record(record(0.0, 1.0 + i)), stats.record(record(50.0, 51.0 + i))])
     assert sorted(r.done_at for r in monitor.recent_records(now=55.0)) == [51.0, 52.0]
     assert monitor.report(now=55.0).steps == 2 and monitor.report(now=100.0).verdict == "idle"
+
+
+def test_monitor_counts_tokens_per_step_and_drains_an_unread_inbox():
+    """iteration_tokens_total's buckets; an engine whose records nobody reads drains its inbox itself."""
+    monitor = BottleneckMonitor(ModelCost.of(CFG, "float32", 1024), CEILINGS)
+    monitor.MAX_PENDING = 2
+    stats = EngineStats()
+    for tokens in (1, 8, 9, 300, 20000):
+        monitor.submit([stats.record(record(0.0, 1.0, tokens=tokens, seqs=1))])
+        assert monitor._inbox.qsize() <= 2
+    sizes = monitor.step_sizes()
+    le = dict(zip(sizes.buckets, sizes.cumulative))
+    assert (le[1], le[8], le[16], le[256], le[512], le[16384]) == (1, 2, 3, 3, 4, 4)
+    assert sizes.count == 5 and sizes.sum == 1 + 8 + 9 + 300 + 20000
+
+
+def test_rates_are_logged_with_an_si_prefix():
+    assert si_rate(4.4e10, "FLOP/s") == "44 GFLOP/s"
+    assert si_rate(1.52e10, "B/s") == "15.2 GB/s"
+    assert si_rate(9.9e14, "FLOP/s") == "990 TFLOP/s"
+    assert si_rate(512, "B/s") == "512 B/s"
 
 
 # ---- device ceilings ----------------------------------------------------------------------------------------------

@@ -106,6 +106,10 @@ def test_delta_outputs_hold_only_what_is_new_and_the_last_lists_every_sample():
     assert [len(o.logprobs) for out in outputs for o in out.outputs] == [1, 1, 1, 0, 1]
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
     assert outputs[-1].metrics.first_token_time == 1.0 and outputs[-1].metrics.inter_token_latencies == (1.0, 1.0)
+    # each sample's own times, as vLLM's child requests have them (sample 1 got no token at t=2)
+    first, second = outputs[-1].metrics.samples
+    assert (first.first_token_time, first.last_token_time, first.inter_token_latencies) == (1.0, 2.0, (1.0,))
+    assert (second.first_token_time, second.last_token_time, second.inter_token_latencies) == (1.0, 3.0, (2.0,))
     assert not processor.states  # a finished request is forgotten
 
 

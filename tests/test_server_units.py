@@ -126,9 +126,10 @@ class FakeEngine:
 
     def __init__(self, fail_on_step: int | None = None):
         self.tokenizer = None
-        self.model_config = types.SimpleNamespace(vocab_size=100)
+        self.model_config = types.SimpleNamespace(vocab_size=100, sliding_window=None)
         self.max_model_len = 64
         self.config = EngineConfig()
+        self.kv_plan = types.SimpleNamespace(num_pages=32)  # for the cache_config_info labels
         self.progress: dict[str, tuple[int, int]] = {}
         self.aborted: list[str] = []
         self.fail_on_step = fail_on_step

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.convert import ConvertError, convert
+    from jaxserve.logs import configure_logging
+    configure_logging("info")  # progress: a bar on a terminal, a line every few seconds elsewhere
     try:
         out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, quantize=args.quantize,
                       quantize_lm_head=args.quantize_lm_head)

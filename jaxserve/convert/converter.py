@@ -15,17 +15,18 @@ checkpoint (one with jaxserve.json, e.g. the demo model) can be the source too: 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from jaxserve.checkpoint import TOKENIZER_FILES, load_model, model_params_numpy, read_metadata, save_checkpoint
 from jaxserve.config import ConfigError, ModelConfig, model_config_from_hf
 from jaxserve.convert.hf_source import CONFIG, ConvertError, HFSource, TensorReader, open_source
 from jaxserve.convert.names import Target, expected_tensors, is_ignored
+from jaxserve.logs import progress as show_progress
 from jaxserve.models.llama import WeightSpec, numpy_dtype, weight_scheme, weight_specs
 from jaxserve.quant import schemes
 from jaxserve.quant.model import quantize_model, quantized_config
@@ -51,6 +52,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None
     with TensorReader(source) as reader:
         check_tensor_names(reader.names, targets, cfg, source.directory)
         check_tensor_layouts(reader, targets, cfg)
+        check_writable(out)
         params = read_params(reader, targets, cfg, progress)
     clear_previous_checkpoint(out)
     return save_checkpoint(out, cfg, params, tokenizer_dir=source.directory, generation=source.generation,
@@ -68,6 +70,7 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, *, dtype: str 
     if quantize is None and quantize_lm_head is None:
         raise ConvertError(f"{src} is already a jaxserve checkpoint; pass --quantize to write a quantized copy.")
     check_output_dir(out, src, force)
+    check_writable(out)
     try:
         model = quantize_model(load_model(src, dtype=dtype), quantize, quantize_lm_head)
     except schemes.QuantizationError as e:
@@ -104,6 +107,25 @@ def check_output_dir(out: Path, hf_dir: Path, force: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ConvertError(f"OUT_DIR {out} is not empty; choose a new or empty directory, or pass --force to "
                            f"replace the jaxserve checkpoint in it.")
+
+
+def check_writable(out: Path) -> None:
+    """Creates OUT_DIR (and its missing parents) and writes a probe file there, before any tensor is read: a
+    path under a file, on a read-only or special file system (/proc), or without permission fails now, in one
+    line, instead of after the whole conversion. What this created is removed again if the probe fails."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConvertError(f"cannot create OUT_DIR {out}: {existing} is a file, not a directory.")
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".jaxserve-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        for path in created:  # deepest first
+            shutil.rmtree(path, ignore_errors=True)
+        raise ConvertError(f"cannot write to OUT_DIR {out}: {e.strerror or e}.") from None
 
 
 def clear_previous_checkpoint(out: Path) -> None:
@@ -151,7 +173,7 @@ def read_params(reader: TensorReader, targets: dict[str, Target], cfg: ModelConf
     params = allocate_params(cfg)
     specs = weight_specs(cfg)
     in_file_order = sorted(targets, key=lambda name: (str(reader.shard(name)), name))
-    for name in tqdm(in_file_order, desc="converting", unit="tensor", disable=not progress):
+    for name in (show_progress(in_file_order, "converting", unit="tensor") if progress else in_file_order):
         target = targets[name]
         weight = target.transform.apply(reader.read(name), target.shape)
         scheme = weight_scheme(target.path, specs[target.path], cfg)

@@ -74,7 +74,18 @@ _STOP = object()
 
 
 def engine_info(core: EngineCore) -> EngineInfo:
-    return EngineInfo(core.tokenizer, core.model_config, core.max_model_len, core.config.compilation_cache_dir)
+    return EngineInfo(core.tokenizer, core.model_config, core.max_model_len, core.config.compilation_cache_dir,
+                      cache_config(core))
+
+
+def cache_config(core: EngineCore) -> tuple[tuple[str, str], ...]:
+    """vLLM's cache_config_info labels with this engine's values (num_gpu_blocks: KV pages per replica)."""
+    config = core.config
+    return (("block_size", str(config.page_size)), ("cache_dtype", config.kv_cache_dtype),
+            ("enable_prefix_caching", str(config.enable_prefix_caching)),
+            ("gpu_memory_utilization", str(config.kv_cache_fraction)), ("num_cpu_blocks", "0"),
+            ("num_gpu_blocks", str(core.kv_plan.num_pages)),
+            ("sliding_window", str(core.model_config.sliding_window)))
 
 
 def bottleneck_monitor(core: EngineCore):

@@ -45,6 +45,7 @@ class EngineInfo:
     model_config: ModelConfig
     max_model_len: int
     compilation_cache_dir: str | None = None  # where the device-ceilings cache lives too
+    cache_config: tuple[tuple[str, str], ...] = ()  # the KV cache's settings, as vLLM's cache_config_info labels
 
     @property
     def limits(self) -> RequestLimits:

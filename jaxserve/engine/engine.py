@@ -455,7 +455,8 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def _progress(description: str):
+    """A bar on a terminal, log lines elsewhere (jaxserve.logs.progress)."""
     def wrap(items, total=None):
-        from tqdm import tqdm
-        return tqdm(items, desc=description, total=total, unit="executable", leave=False)
+        from jaxserve.logs import progress
+        return progress(items, description, total=total, unit="executable")
     return wrap

@@ -20,7 +20,7 @@ import logging
 from typing import Iterable
 
 from jaxserve.engine.messages import PromptLogprobsChunk, SampleDelta, StepOutputs
-from jaxserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, SampleMetrics, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class _Sample:
         self.sent_tokens = 0  # tokens (and logprobs) already in a DELTA output
         self.sent_pieces = 0  # released pieces already in a DELTA output
         self.finish_sent = False
+        self.times = _SampleTimes()
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,26 @@ class _Sample:
                                 self.stop_reason, len(self.token_ids))
 
 
+class _SampleTimes:
+    """One sample's times while it runs."""
+
+    def __init__(self):
+        self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.gaps: list[float] = []
+
+    def token_step(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.gaps.append(now - self.last_token)
+        self.last_token = now
+
+    def frozen(self) -> SampleMetrics:
+        return SampleMetrics(self.scheduled, self.first_token, self.last_token, tuple(self.gaps))
+
+
 class _Times:
     """A request's metrics while it runs (the final output gets a frozen RequestMetrics)."""
 
@@ -119,9 +140,9 @@ class _Times:
             self.gaps.append(now - self.last_token)
         self.last_token = now
 
-    def frozen(self, finished: float | None) -> RequestMetrics:
+    def frozen(self, finished: float | None, samples: tuple[SampleMetrics, ...]) -> RequestMetrics:
         return RequestMetrics(self.arrival, self.scheduled, self.first_token, self.last_token, finished,
-                              tuple(self.gaps))
+                              tuple(self.gaps), samples)
 
 
 class RequestState:
@@ -156,8 +177,11 @@ class RequestState:
     def apply(self, delta: SampleDelta, now: float) -> StopFinish | None:
         """Takes one delta; returns a StopFinish when a stop string ended the sample."""
         sample = self.samples[delta.index]
-        if delta.scheduled_time is not None and self.times.scheduled is None:
-            self.times.scheduled = delta.scheduled_time
+        if delta.scheduled_time is not None:
+            if self.times.scheduled is None:
+                self.times.scheduled = delta.scheduled_time
+            if sample.times.scheduled is None:
+                sample.times.scheduled = delta.scheduled_time
         if delta.prompt_logprobs is not None:
             self._add_prompt_logprobs(delta.prompt_logprobs)
         if sample.finished:
@@ -172,6 +196,7 @@ class RequestState:
 
     def _add_tokens(self, sample: _Sample, delta: SampleDelta, now: float) -> str | None:
         self.times.token_step(now)
+        sample.times.token_step(now)
         sample.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             sample.logprobs.extend(delta.logprobs)
@@ -219,7 +244,10 @@ class RequestState:
             outputs = [s.whole(i, with_logprobs) for i, s in enumerate(self.samples)]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs, finished,
                              self._prompt_logprobs_output(finished),
-                             self.times.frozen(now) if finished else None, error)
+                             self._metrics(now) if finished else None, error)
+
+    def _metrics(self, now: float) -> RequestMetrics:
+        return self.times.frozen(now, tuple(s.times.frozen() for s in self.samples))
 
     def _prompt_logprobs_output(self, finished: bool) -> list[TokenLogprob | None] | None:
         """Sent once, complete: with the first output after the whole prompt was scored (or the final one)."""

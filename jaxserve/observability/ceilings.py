@@ -74,9 +74,9 @@ def measure_ceilings(device: jax.Device, dtype: str) -> DeviceCeilings:
         started = time.perf_counter()
         ceilings = DeviceCeilings(device.device_kind, dtype, measure_copy_bandwidth(device, size),
                                   measure_matmul_flops(device, size, dtype), "measured")
-        log.info("device ceilings of %s (%.1fs to measure): copy %.1f GB/s, %s matmul %.1f TFLOP/s",
-                 device.device_kind, time.perf_counter() - started, ceilings.bandwidth / 1e9, dtype,
-                 ceilings.flops / 1e12)
+        log.info("device ceilings of %s (%.1fs to measure): copy %s, %s matmul %s", device.device_kind,
+                 time.perf_counter() - started, si_rate(ceilings.bandwidth, "B/s"), dtype,
+                 si_rate(ceilings.flops, "FLOP/s"))
         return ceilings
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory beside the KV cache: fall back, never fail a server
         spec = gpu_for_device_kind(device.device_kind)
@@ -84,6 +84,14 @@ def measure_ceilings(device: jax.Device, dtype: str) -> DeviceCeilings:
             raise
         log.warning("device ceiling probes failed (%s); using the %s datasheet figures", exc, spec.name)
         return DeviceCeilings(device.device_kind, dtype, spec.bandwidth, spec.bf16_flops, "datasheet")
+
+
+def si_rate(value: float, unit: str) -> str:
+    """4.4e10, "FLOP/s" -> "44 GFLOP/s": three significant digits at the nearest SI prefix."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
 
 
 def measure_copy_bandwidth(device: jax.Device, size: ProbeSize) -> float:

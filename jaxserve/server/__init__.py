@@ -7,6 +7,6 @@
     streaming.py   SSE framing, stream merging, disconnects    logprobs.py   the two OpenAI logprob shapes
     middleware.py  request id, access log, auth, body limit    lifecycle.py  draining on SIGTERM
     metrics.py     Prometheus registry per server              openapi.py    /openapi.json
-    dashboard.py   /dashboard (dashboard.html) and its JSON
+    dashboard.py   /dashboard (dashboard.html) and its JSON     models.py     /v1/models[/{id}], /tokenizer_info
     state.py       ServerState: what handlers share            errors.py     OpenAI-shaped errors
 """

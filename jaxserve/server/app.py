@@ -1,6 +1,7 @@
 """The Starlette app: routes, error handlers, middleware. `build_app(ServerState)`; uvicorn runs it.
 
-    POST /v1/completions        completions.py        GET /v1/models     the served model
+    POST /v1/completions        completions.py        GET /v1/models     the served model (models.py)
+                                                      GET /v1/models/{id}, GET /tokenizer_info  (models.py)
     POST /v1/chat/completions   chat.py               GET /health        200 while the engine runs, else 503
     POST /tokenize              text/messages -> ids  GET /metrics       Prometheus (metrics.py)
     POST /detokenize            ids -> text           GET /openapi.json  openapi.py
@@ -26,19 +27,12 @@ from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import check_model, read_json, run_tokenizer
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.middleware import ApiKeys, Gatekeeper, RequestContext
+from jaxserve.server.models import list_models, retrieve_model, tokenizer_info
 from jaxserve.server.openapi import openapi_document
 from jaxserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from jaxserve.server.state import ServerState, server_of
 
 log = logging.getLogger(__name__)
-
-
-async def list_models(request: Request) -> Response:
-    server = server_of(request)
-    models = [{"id": name, "object": "model", "created": server.created, "owned_by": "jaxserve",
-               "root": server.root, "parent": None, "max_model_len": server.max_model_len}
-              for name in server.model_names]
-    return JSONResponse({"object": "list", "data": models})
 
 
 async def health(request: Request) -> Response:
@@ -95,6 +89,8 @@ ROUTES = (
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+    Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/tokenize", tokenize_route, methods=["POST"]),
     Route("/detokenize", detokenize_route, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from jaxserve.cli_args import add_config_flags, add_engine_flags, config_from_args, engine_config_from_args
 from jaxserve.config import ConfigError, env_str, sampling_defaults
+from jaxserve.logs import configure_logging
 from jaxserve.server.config import ServerConfig
 
 DEFAULT_MODEL = "checkpoints/demo"
 API_KEY_ENV = "JAXSERVE_API_KEY"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 log = logging.getLogger("jaxserve.server")
 
@@ -55,12 +55,9 @@ def model_dir(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     try:
-        if config.log_level not in LOG_LEVELS:
-            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {config.log_level!r}")
+        configure_logging(config.log_level, config.log_format)
         directory = model_dir(args)
         check_server_config(config)
-        logging.basicConfig(level=config.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine_config = engine_config_from_args(args)
         defaults = sampling_defaults(directory, engine_config.generation_config)
         engine = start_engine(directory, engine_config, config)
@@ -108,8 +105,8 @@ def uvicorn_config(app, config: ServerConfig):
     import uvicorn
 
     from jaxserve.server.lifecycle import timed_protocol
-    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                          lifespan="off", http=timed_protocol(config.header_timeout),
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, log_config=None,
+                          access_log=False, lifespan="off", http=timed_protocol(config.header_timeout),
                           timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=1)
 
 

@@ -12,7 +12,7 @@ class ServerConfig:
     port: int = 8000  # TCP port
     api_key: tuple[str, ...] | None = None  # require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize; repeat the flag for several keys (default: $JAXSERVE_API_KEY)
     api_key_file: str | None = None  # a file of API keys, one per line ('#' comments), re-read when it changes: keys rotate without a restart
-    served_model_name: tuple[str, ...] | None = None  # names clients may send as `model`, comma-separated; the first is reported (default: the --model path)
+    served_model_name: tuple[str, ...] | None = None  # names clients may send as `model`, comma-separated; the first is reported (default: the --model directory's base name; its path is accepted too)
     max_queued_requests: int | None = 1024  # requests accepted and not yet scheduled beyond which new requests get 429
     max_prompts_per_request: int = 128  # prompts one completions request may carry (a list of prompts); more get 400
     retry_after: int = 1  # seconds a 429 asks the client to wait (Retry-After)
@@ -23,7 +23,8 @@ class ServerConfig:
     drain_timeout: float = 300.0  # on SIGTERM: seconds in-flight requests may take to finish before exit
     engine_step_timeout: float = 60.0  # seconds one engine step may run before the engine is declared hung: its requests fail, /health turns 503, the server exits with status 1 (0: no watchdog)
     engine_restart: int = 0  # times a dead engine (a device error) is rebuilt in place before the server gives up; the default exits with status 1 at once, for the supervisor to restart the process, as vLLM and TGI do
-    log_level: str = "info"  # debug | info | warning | error | critical
+    log_level: str = "info"  # debug | info | warning | error | critical: jaxserve's and uvicorn's lines; other libraries log warnings and worse unless debug
+    log_format: str = "text"  # text | json (one JSON object per line, for log shippers)
     access_log: bool = True  # one line per request, with its X-Request-Id
 
     def replace(self, **changes) -> "ServerConfig":

@@ -9,8 +9,13 @@ Two kinds, two places to add more:
   - engine state (queue lengths, KV usage, engine counters, the bottleneck verdict): read at scrape time in
     `EngineStateCollector.collect`, so nothing samples on a timer.
 
+Requests and samples, as vLLM counts them: vLLM runs each of a request's n samples as a child request, so every
+per-request series (request_success, the latency histograms, the prompt/generation token counters and
+histograms, num_requests_running) counts samples, and only request_params_n and
+request_max_num_generation_tokens are observed once per request (docs/metrics.md, "n > 1").
+
 `dashboard_snapshot()` gives the /dashboard page the same numbers as JSON, plus latency percentiles over the
-requests that finished in the last LATENCY_WINDOW_SECONDS.
+samples that finished in the last LATENCY_WINDOW_SECONDS.
 """
 
 from __future__ import annotations
@@ -20,12 +25,12 @@ import dataclasses
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxserve.engine.client import EngineClient
 from jaxserve.observability.bottleneck import VERDICTS, BottleneckMonitor
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, SampleMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -35,13 +40,16 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
+FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full", "draining", "engine_dead")
 LATENCY_WINDOW_SECONDS = 60.0
 LATENCY_WINDOW_REQUESTS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestTimes:
-    """One finished request's latencies (seconds; None where it has no such interval)."""
+    """One finished sample's latencies (seconds; None where it has no such interval), as vLLM's child request."""
 
     finished: float  # time.monotonic()
     ttft: float | None
@@ -59,80 +67,96 @@ class ServerMetrics:
         self.recent: collections.deque[RequestTimes] = collections.deque(maxlen=LATENCY_WINDOW_REQUESTS)
         self.registry.register(EngineStateCollector(engine, model_name, self.monitor))
         model = ["model_name"]
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished requests.", model,
+
+        def histogram(name: str, documentation: str, buckets) -> Histogram:
+            return Histogram(f"jaxserve:{name}", documentation, model, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of finished samples (n samples of "
+                                     "one prompt count it n times, as vLLM's child requests do).", model,
                                      registry=self.registry)
-        self.generation_tokens = Counter("jaxserve:generation_tokens", "Generated tokens of finished requests.",
+        self.generation_tokens = Counter("jaxserve:generation_tokens", "Generated tokens of finished samples.",
                                          model, registry=self.registry)
-        self.request_success = Counter("jaxserve:request_success", "Finished requests by finish reason.",
-                                       [*model, "finished_reason"], registry=self.registry)
+        self.request_success = Counter("jaxserve:request_success", "Finished samples (vLLM: child requests) by "
+                                       "finish reason.", [*model, "finished_reason"], registry=self.registry)
         self.requests_rejected = Counter("jaxserve:requests_rejected", "Requests refused before reaching the "
                                          "engine (queue_full, draining, engine_dead).", [*model, "reason"],
                                          registry=self.registry)
         self.http_requests = Counter("jaxserve:http_requests", "HTTP responses by route and status.",
-                                     ["method", "route", "status"], registry=self.registry)
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token.", model,
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("jaxserve:time_per_output_token_seconds", "Mean time per output token after the "
-                              "first, per request.", model, buckets=TPOT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Time between successive tokens of a "
-                             "request (every gap).", model, buckets=TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.", model,
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queue_time = Histogram("jaxserve:request_queue_time_seconds", "Arrival to first scheduled.", model,
-                                    buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.prefill_time = Histogram("jaxserve:request_prefill_time_seconds", "First scheduled to first token.",
-                                      model, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.decode_time = Histogram("jaxserve:request_decode_time_seconds", "First token to last token.", model,
-                                     buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.inference_time = Histogram("jaxserve:request_inference_time_seconds", "First scheduled to last "
-                                        "token.", model, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.request_prompt_tokens = Histogram("jaxserve:request_prompt_tokens", "Prompt length per request.",
-                                               model, buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
-        self.request_generation_tokens = Histogram("jaxserve:request_generation_tokens", "Generated tokens per "
-                                                   "request.", model, buckets=TOKEN_COUNT_BUCKETS,
-                                                   registry=self.registry)
+                                     [*model, "method", "route", "status"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token, per sample.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Every gap between successive tokens of a sample "
+                              "(vLLM's deprecated name for inter_token_latency_seconds).", TPOT_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "Per sample: (last token - first "
+                                      "token) / (tokens - 1).", TPOT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Every gap between successive tokens of a sample.",
+                             TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token, per sample.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled, per sample.",
+                                    LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token, per "
+                                      "sample.", LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token, per sample.",
+                                     LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token, per "
+                                        "sample.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length, per sample.",
+                                               TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens, per sample.",
+                                                   TOKEN_COUNT_BUCKETS)
+        self.max_generation_tokens = histogram("request_max_num_generation_tokens", "Per request: the most "
+                                               "tokens any of its n samples generated.", TOKEN_COUNT_BUCKETS)
+        self.params_n = histogram("request_params_n", "Per request: its n (samples).", N_BUCKETS)
+        for reason in FINISH_REASONS:  # every series exists from the start, so rate() has data (vLLM does too)
+            self.request_success.labels(model_name, reason)
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(model_name, reason)
 
     # ---- events -------------------------------------------------------------------------------------------------
     def observe_finished(self, output: RequestOutput) -> None:
-        """A request's final output (every sample finished)."""
+        """A request's final output (every sample finished): each sample counts as one of vLLM's child
+        requests; n and the longest sample once per request."""
         name = self.model_name
-        generated = sum(sample.num_tokens for sample in output.outputs)
-        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(name).inc(generated)
-        self.request_prompt_tokens.labels(name).observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.labels(name).observe(generated)
-        for sample in output.outputs:
+        prompt_len = len(output.prompt_token_ids)
+        samples = output.metrics.samples if output.metrics is not None else ()
+        for index, sample in enumerate(output.outputs):
             self.request_success.labels(name, sample.finish_reason or "abort").inc()
-        self._observe_latencies(output)
+            self.prompt_tokens.labels(name).inc(prompt_len)
+            self.generation_tokens.labels(name).inc(sample.num_tokens)
+            self.request_prompt_tokens.labels(name).observe(prompt_len)
+            self.request_generation_tokens.labels(name).observe(sample.num_tokens)
+            if index < len(samples):
+                self._observe_latencies(output.metrics.arrival_time, samples[index], sample.num_tokens)
+        self.params_n.labels(name).observe(len(output.outputs))
+        self.max_generation_tokens.labels(name).observe(max((s.num_tokens for s in output.outputs), default=0))
 
-    def _observe_latencies(self, output: RequestOutput) -> None:
-        m, name = output.metrics, self.model_name
-        if m is None or m.first_token_time is None:
+    def _observe_latencies(self, arrival: float, m: SampleMetrics, num_tokens: int) -> None:
+        if m.first_token_time is None:
             return
-        times = request_times(output)
-        self.ttft.labels(name).observe(times.ttft)
-        for value, histogram in ((times.tpot, self.tpot), (times.e2e, self.e2e), (times.queue, self.queue_time)):
+        name = self.model_name
+        times = sample_times(arrival, m, num_tokens)
+        for value, histogram in ((times.ttft, self.ttft), (times.tpot, self.request_tpot), (times.e2e, self.e2e),
+                                 (times.queue, self.queue_time)):
             if value is not None:
                 histogram.labels(name).observe(value)
         for gap in m.inter_token_latencies:
             self.itl.labels(name).observe(gap)
+            self.tpot.labels(name).observe(gap)
         if m.first_scheduled_time is not None:
             self.prefill_time.labels(name).observe(m.first_token_time - m.first_scheduled_time)
-            if m.last_token_time is not None:
-                self.inference_time.labels(name).observe(m.last_token_time - m.first_scheduled_time)
-        if m.last_token_time is not None:
-            self.decode_time.labels(name).observe(m.last_token_time - m.first_token_time)
+            self.inference_time.labels(name).observe(m.last_token_time - m.first_scheduled_time)
+        self.decode_time.labels(name).observe(m.last_token_time - m.first_token_time)
         self.recent.append(times)
 
     def observe_aborted(self, num_samples: int) -> None:
-        """A request whose client went away before it finished."""
+        """Samples of requests whose client went away before they finished (each is one of vLLM's child
+        requests)."""
         self.request_success.labels(self.model_name, "abort").inc(num_samples)
 
     def observe_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
 
     def observe_http(self, method: str, route: str, status: int) -> None:
-        self.http_requests.labels(method, route, str(status)).inc()
+        self.http_requests.labels(self.model_name, method, route, str(status)).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -152,7 +176,7 @@ class ServerMetrics:
             "totals": {"steps": stats.totals.steps, "tokens": stats.totals.tokens,
                        "generated_tokens": stats.totals.sampled_tokens},
             "latency_window_seconds": LATENCY_WINDOW_SECONDS,
-            "finished_requests": len(recent),
+            "finished_requests": len(recent),  # samples (vLLM's child requests), as the histograms count
             "ttft": percentiles([t.ttft for t in recent]),
             "tpot": percentiles([t.tpot for t in recent]),
             "e2e": percentiles([t.e2e for t in recent]),
@@ -169,15 +193,13 @@ class ServerMetrics:
         }
 
 
-def request_times(output: RequestOutput) -> RequestTimes:
-    m = output.metrics
-    longest = max((sample.num_tokens for sample in output.outputs), default=0)
+def sample_times(arrival: float, m: SampleMetrics, num_tokens: int) -> RequestTimes:
     last = m.last_token_time
     return RequestTimes(
-        finished=time.monotonic(), ttft=m.first_token_time - m.arrival_time,
-        tpot=(last - m.first_token_time) / (longest - 1) if last is not None and longest > 1 else None,
-        e2e=last - m.arrival_time if last is not None else None,
-        queue=m.first_scheduled_time - m.arrival_time if m.first_scheduled_time is not None else None)
+        finished=time.monotonic(), ttft=m.first_token_time - arrival,
+        tpot=(last - m.first_token_time) / (num_tokens - 1) if last is not None and num_tokens > 1 else None,
+        e2e=last - arrival if last is not None else None,
+        queue=m.first_scheduled_time - arrival if m.first_scheduled_time is not None else None)
 
 
 def percentiles(values, qs=(50, 90, 99)) -> dict[str, float | None]:
@@ -205,6 +227,12 @@ class EngineStateCollector:
                      labels)
         yield _gauge("jaxserve:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).",
                      stats.kv_cache_usage, labels)
+        yield _gauge("jaxserve:gpu_cache_usage_perc", "The same as kv_cache_usage_perc (vLLM's older name).",
+                     stats.kv_cache_usage, labels)
+        yield _gauge("jaxserve:num_requests_swapped", "Always 0: jaxserve never swaps KV pages to host memory "
+                     "(a preempted sequence is recomputed); vLLM's older dashboards plot it.", 0, labels)
+        yield self._cache_config_info(labels)
+        yield self._iteration_tokens(labels)
         yield _gauge("jaxserve:engine_alive", "1 while the engine loop runs, 0 once it has died.",
                      int(self.engine.is_alive), labels)
         yield _counter("jaxserve:num_preemptions", "Sequences preempted (recomputed later).", stats.num_preemptions,
@@ -215,6 +243,21 @@ class EngineStateCollector:
                        stats.prefix_cache_hits, labels)
         yield from self._step_counters(stats, labels)
         yield from self._bottleneck(labels)
+
+    def _cache_config_info(self, labels):
+        names = [name for name, _ in self.engine.info.cache_config]
+        info = GaugeMetricFamily("jaxserve:cache_config_info", "The KV cache's settings as labels (vLLM's "
+                                 "cache_config_info); the value is 1.", labels=["model_name", *names])
+        info.add_metric([*labels, *(value for _, value in self.engine.info.cache_config)], 1)
+        return info
+
+    def _iteration_tokens(self, labels):
+        sizes = self.monitor.step_sizes()
+        buckets = [(str(float(le)), count) for le, count in zip(sizes.buckets, sizes.cumulative)]
+        histogram = HistogramMetricFamily("jaxserve:iteration_tokens_total", "Real (unpadded) tokens per engine "
+                                          "step: prompt chunks and decode tokens.", labels=["model_name"])
+        histogram.add_metric(labels, [*buckets, ("+Inf", sizes.count)], sizes.sum)
+        return histogram
 
     def _step_counters(self, stats, labels):
         totals = stats.totals

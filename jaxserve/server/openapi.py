@@ -32,6 +32,7 @@ class Operation:
     needs_key: bool = True
     errors: tuple[int, ...] = (400, 401, 408, 413, 429, 500, 503)
     media_type: str = "application/json"
+    path_parameters: tuple[str, ...] = ()  # names in `path`, each a string
 
 
 OPERATIONS = (
@@ -40,6 +41,10 @@ OPERATIONS = (
     Operation("/v1/chat/completions", "post", "Create a chat completion", ref(Completion), ChatCompletionRequest,
               streams=True),
     Operation("/v1/models", "get", "List the served model", ref(ModelList), errors=(401,)),
+    Operation("/v1/models/{model_id}", "get", "One served model (its id may contain slashes)",
+              {"type": "object"}, errors=(401, 404), path_parameters=("model_id",)),
+    Operation("/tokenizer_info", "get", "The tokenizer's configuration, as vLLM serves it (special tokens, chat "
+              "template, model_max_length)", {"type": "object"}, errors=(401,)),
     Operation("/tokenize", "post", "Text or chat messages to token ids", ref(Tokenized), TokenizeRequest,
               errors=(400, 401, 408, 413, 500, 503)),
     Operation("/detokenize", "post", "Token ids to text", ref(Detokenized), DetokenizeRequest,
@@ -92,6 +97,9 @@ def _operation(op: Operation) -> dict:
         responses[str(status)] = {"description": ERROR_DESCRIPTIONS[status],
                                   "content": {"application/json": {"schema": ref(Error)}}}
     operation: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(op), "responses": responses}
+    if op.path_parameters:
+        operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                   for name in op.path_parameters]
     if op.request is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(op.request)}}}
     if op.needs_key:
@@ -100,12 +108,13 @@ def _operation(op: Operation) -> dict:
 
 
 def _operation_id(op: Operation) -> str:
-    return op.method + op.path.replace("/", "_").replace(".", "_")
+    return op.method + op.path.replace("/", "_").replace(".", "_").replace("{", "").replace("}", "")
 
 
 ERROR_DESCRIPTIONS = {
     400: "invalid request; error.param names the field",
     401: "missing or wrong API key (when the server has one)",
+    404: "no such model is served here",
     408: "the request body did not arrive within the body timeout",
     413: "request body over the size limit",
     429: "waiting queue full; retry after the Retry-After header's seconds",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 from starlette.requests import Request
@@ -30,7 +31,7 @@ class ServerState:
     @classmethod
     def build(cls, engine: EngineClient, config: ServerConfig, model_dir: str,
               sampling_defaults: Mapping[str, Any] | None = None) -> "ServerState":
-        names = tuple(config.served_model_name or (str(model_dir),))
+        names = tuple(config.served_model_name or default_served_names(str(model_dir)))
         return cls(engine, config, names, str(model_dir), ServerMetrics(engine, names[0]), Lifecycle(),
                    TokenText(engine.info.tokenizer), sampling_defaults=dict(sampling_defaults or {}))
 
@@ -49,6 +50,13 @@ class ServerState:
     @property
     def vocab_size(self) -> int:
         return self.engine.info.vocab_size
+
+
+def default_served_names(model_dir: str) -> tuple[str, ...]:
+    """Without --served-model-name: the directory's base name, then the path as given (when it differs); both
+    are accepted as `model`, the first is reported."""
+    base = Path(model_dir).resolve().name or str(model_dir)
+    return (base,) if base == str(model_dir) else (base, str(model_dir))
 
 
 def server_of(request: Request) -> ServerState:
