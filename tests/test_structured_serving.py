@@ -25,12 +25,15 @@ from test_server_harness import SMALL_ENGINE, TINY_ENGINE, running_engine, serve
 
 
 class Address(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties: false
     city: str = pydantic.Field(max_length=12)
     zip: int = pydantic.Field(ge=0, le=99999)
 
 
 class Person(pydantic.BaseModel):
     """Nested objects, arrays, enums, numbers, required and optional fields."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
 
     name: str = pydantic.Field(max_length=12)
     age: int = pydantic.Field(ge=0, le=150)
@@ -44,9 +47,11 @@ class Person(pydantic.BaseModel):
 PERSON = Person.model_json_schema()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                     "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}}
+                                     "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"]}}}
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
+    "additionalProperties": False}}}
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
@@ -128,11 +133,13 @@ def test_uncompilable_constraint_is_refused_before_queueing(llm):
 
 def test_preempted_constrained_sequences_stay_valid(model_dir):
     """A KV cache too small for four long samples: sequences are preempted and recomputed mid-structure."""
-    engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE.replace(kv_cache_memory=2**19), show_progress=False)
+    engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE.replace(kv_cache_memory=2**18), show_progress=False)
     outputs = LLM(engine=engine).generate([f"P{i}" for i in range(6)], SamplingParams(
         temperature=1.0, seed=3, max_tokens=200, structured_outputs=StructuredOutputsParams(json=PERSON)))
     assert engine.core.scheduler.num_preemptions > 0
-    for text in finished_texts(outputs):
+    texts = finished_texts(outputs)
+    assert texts
+    for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
 
 
@@ -190,7 +197,8 @@ def test_json_object_streamed_and_not(client):
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     for chunk in client.completions.create(model="tiny-llama", prompt="JSON:", temperature=0.7, max_tokens=120, n=4,
-                                           seed=2, stream=True, response_format={"type": "json_object"}):
+                                           seed=2, stream=True,
+                                           extra_body={"response_format": {"type": "json_object"}}):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
             reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)

@@ -337,7 +337,7 @@ class LLMEngine:
         step = self.core.step()
         outputs, stops = self.processor.process(step)
         for stop in stops:
-            self.core.finish_sample(stop.request_id, stop.index)
+            self.core.finish_sample(stop.request_id, stop.index, stop.stop)
         return outputs
 
     def run_until_done(self) -> list[RequestOutput]:

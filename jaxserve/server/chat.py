@@ -76,8 +76,7 @@ def chat_constraint(body: ChatCompletionRequest, tools: ToolPlan) -> tuple[Struc
         return constraint, field
     if constraint is not None:
         raise bad_request(f"tool_choice {tools.mode} constrains the output already; drop {field}", param=field)
-    # compact JSON: arguments are read by programs, and a sampled run of whitespace only costs tokens
-    return StructuredOutputsParams(json=tools.constraint.json, disable_any_whitespace=True), "tool_choice"
+    return tools.constraint, "tool_choice"
 
 
 def tool_parser(server: ServerState, tools: ToolPlan) -> str | None:

@@ -1,7 +1,9 @@
 """The request fields that constrain the output, as one StructuredOutputsParams (jaxserve.structured).
 
     response_format  {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
-    structured_outputs  vLLM's object: json | regex | choice | grammar | json_object (+ disable_any_whitespace)
+                     (strict: objects that do not say otherwise allow no extra keys, as OpenAI's strict mode)
+    structured_outputs  vLLM's object: json | regex | choice | grammar | json_object (+ whitespace_pattern,
+                        disable_additional_properties, disable_any_whitespace)
     guided_json / guided_regex / guided_choice / guided_grammar   vLLM's older names
 
 At most one of them may be given (response_format "text" counts as none). The engine compiles the result; an
@@ -45,7 +47,7 @@ def _from_response_format(response_format) -> StructuredOutputsParams:
     spec = response_format.json_schema
     if spec is None or spec.schema_ is None:
         raise bad_request("response_format json_schema needs json_schema.schema", param="response_format.json_schema")
-    return StructuredOutputsParams(json=spec.schema_)
+    return StructuredOutputsParams(json=spec.schema_, disable_additional_properties=bool(spec.strict))
 
 
 def field_names(field: str | None) -> dict[str, Any]:

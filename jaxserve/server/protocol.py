@@ -159,7 +159,11 @@ class StructuredOutputsField(BaseModel):
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = Field(None, description="Lark (llguidance) or GBNF (llama.cpp) syntax")
     json_object: bool | None = None
-    disable_any_whitespace: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="compact JSON (the default here)")
+    whitespace_pattern: str | None = Field(None, description="a regex for the whitespace JSON may have between "
+                                                             "tokens (default: none)")
+    disable_additional_properties: bool | None = Field(
+        None, description="objects without additionalProperties allow no other keys")
     disable_fallback: bool | None = Field(None, description="accepted; there is one grammar engine")
 
 

@@ -43,8 +43,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     import llguidance
     kind = params.kind
     if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else '{"type": "object"}'
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        schema = json.loads(params.json) if kind == "json" else {"type": "object"}
+        if params.disable_additional_properties:
+            schema = closed_objects(schema)
+        options = ({"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
+                   if params.whitespace_pattern else {"whitespace_flexible": False})
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as exc:
@@ -58,6 +61,20 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise _invalid(f"the grammar cannot be read: {exc}") from None
+
+
+def closed_objects(schema):
+    """The schema with additionalProperties false on every object schema that does not say (vLLM's
+    disable_additional_properties; OpenAI's strict mode requires it)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) if key not in ("enum", "const", "default", "examples") else value
+           for key, value in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarCompiler:

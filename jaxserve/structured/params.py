@@ -7,7 +7,7 @@ Exactly one constraint per request:
     choice          the output is exactly one of these strings
     grammar         a context-free grammar: Lark syntax (llguidance's) or GBNF (llama.cpp's)
 
-The value is frozen and hashable (a schema is kept as canonical JSON text): SamplingParams hashes it, and the
+The value is frozen and hashable (a schema is kept as compact JSON text, its key order kept): SamplingParams hashes it, and the
 compiled-grammar cache is keyed by it.
 """
 
@@ -31,7 +31,12 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
-    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (default: any JSON whitespace)
+    # JSON layout. Compact by default (no whitespace between tokens, as OpenAI's structured outputs): a model
+    # that may emit any whitespace anywhere can also emit nothing else. `whitespace_pattern` (a regex) allows some;
+    # disable_any_whitespace (vLLM's switch to compact) is accepted and is the default here.
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False  # objects without additionalProperties get false (OpenAI strict)
 
     def __post_init__(self):
         if self.json is not None and not isinstance(self.json, str):
@@ -62,6 +67,9 @@ class StructuredOutputsParams:
             _check_schema_text(self.json)
         if kind == "choice":
             _check_choice(self.choice)
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or not self.whitespace_pattern):
+            raise _invalid("whitespace_pattern must be a non-empty regular expression")
         if kind in ("regex", "grammar"):
             text = getattr(self, kind)
             if not isinstance(text, str) or not text:
@@ -71,7 +79,7 @@ class StructuredOutputsParams:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)  # key order kept: it orders the output
 
 
 def _check_schema_text(text: Any) -> None:

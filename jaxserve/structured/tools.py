@@ -21,6 +21,7 @@ import re
 import uuid
 from typing import Any, Callable
 
+from jaxserve.structured.grammar import closed_objects
 from jaxserve.structured.params import StructuredOutputsParams
 
 FAMILY_PARSERS = {"llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes", "mistral": "mistral"}
@@ -68,7 +69,7 @@ def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise ToolError("function.parameters must be a JSON Schema object", f"tools[{i}].function.parameters")
-        schemas[name] = parameters
+        schemas[name] = closed_objects(parameters) if function.get("strict") is True else parameters
     return schemas
 
 
