@@ -68,7 +68,7 @@ def test_every_kind_of_constraint_holds(client):
 
 def test_parse_and_tools(client):
     parse = getattr(client.beta.chat.completions, "parse", None) or client.chat.completions.parse
-    assert isinstance(parse_with_retries(parse, Person, max_tokens=220), Person)
+    assert isinstance(parse_with_retries(parse, Person, max_tokens=200), Person)
     required = client.chat.completions.create(model="tiny-llama", messages=CHAT, tools=[WEATHER, CLOCK],
                                               tool_choice="required", n=8, temperature=1.0, max_tokens=160)
     named = client.chat.completions.create(model="tiny-llama", messages=CHAT, tools=[WEATHER, CLOCK], n=8,
