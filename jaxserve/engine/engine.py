@@ -237,7 +237,9 @@ class EngineCore:
         self.meter.dispatching(plan)
         disallowed = (self.structured.disallowed([(r.request_id, r.index, r.sample) for r in plan.seqs],
                                                  self.model_config.vocab_size) if len(self.structured) else None)
-        pending = self.runner.dispatch(plan, flags, disallowed)
+        # (the mask only when there is one: dispatch(plan, flags) is what unconstrained steps call)
+        pending = (self.runner.dispatch(plan, flags) if disallowed is None
+                   else self.runner.dispatch(plan, flags, disallowed))
         self.meter.dispatched(pending, self.config.async_scheduling)
         return pending
 
