@@ -14,6 +14,7 @@ _LAZY = {
     "LLM": "jaxserve.engine.llm",
     "LLMEngine": "jaxserve.engine.engine",
     "SamplingParams": "jaxserve.sampling_params",
+    "StructuredOutputsParams": "jaxserve.structured.params",
     "EngineConfig": "jaxserve.config",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.structured.params import StructuredOutputsParams
 from jaxserve.validation import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS  # noqa: F401 (the device arrays' widths)
 
 
@@ -14,6 +15,7 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters. `logprobs` is the
     number of top alternatives returned per sampled token (0: only the sampled token's own logprob; None: none).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (jaxserve.structured).
     """
 
     n: int = 1
@@ -35,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         # Accept the natural Python spellings (a string, lists, a dict) and store hashable tuples.
@@ -44,6 +47,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         object.__setattr__(self, "logit_bias", tuple((int(k), float(v)) for k, v in bias))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
 
     @property
     def greedy(self) -> bool:

@@ -153,6 +153,8 @@ def validate_sampling_params(params: "SamplingParams") -> None:
         raise InvalidRequestError(f"{{logit_bias}} may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     if not all(LOGIT_BIAS_RANGE.contains(bias) for _, bias in params.logit_bias):
         raise InvalidRequestError(f"{{logit_bias}} values {LOGIT_BIAS_RANGE.describe()}", "logit_bias")
+    if params.structured_outputs is not None:
+        params.structured_outputs.check()  # its shape; whether it compiles is the grammar engine's call
 
 
 def _check_stop_strings(stop: Sequence[str]) -> None:

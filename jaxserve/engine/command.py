@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from jaxserve.cli_args import add_config_flags, config_from_args
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import StructuredOutputsParams
 from jaxserve.validation import validate_sampling_params
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
@@ -24,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt text; repeat for several prompts, '-' reads one from stdin")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    structured = parser.add_argument_group("structured output (one of)")
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="a JSON Schema file: each output is JSON valid against it")
+    structured.add_argument("--json-object", action="store_true", help="each output is a JSON object")
+    structured.add_argument("--regex", help="each output matches this regular expression")
+    structured.add_argument("--choice", action="append", help="each output is one of these strings; repeat")
+    structured.add_argument("--grammar", metavar="FILE", help="a Lark or GBNF grammar file the outputs follow")
     sampling = parser.add_argument_group("sampling")
     add_config_flags(sampling, SamplingParams, skip=tuple(f for f in SamplingParams.__dataclass_fields__
                                                           if f not in SAMPLING_FLAGS))
@@ -37,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "jaxserve.json").exists():
         print(f"error: {args.model} is not a jaxserve checkpoint; convert one with `jaxserve convert`", file=sys.stderr)
         return 1
-    params = config_from_args(SamplingParams, args)
     try:
+        params = dataclasses.replace(config_from_args(SamplingParams, args), structured_outputs=_structured(args))
         validate_sampling_params(params)  # before loading the model; the prompts are checked when queued
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -69,6 +78,28 @@ def _generate(llm, args: argparse.Namespace, params: SamplingParams) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _structured(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The constraint the flags ask for (None: none). ValueError for an unreadable file."""
+    given = {}
+    if args.json_schema:
+        try:
+            given["json"] = json.loads(Path(args.json_schema).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
+    if args.json_object:
+        given["json_object"] = True
+    if args.regex:
+        given["regex"] = args.regex
+    if args.choice:
+        given["choice"] = tuple(args.choice)
+    if args.grammar:
+        try:
+            given["grammar"] = Path(args.grammar).read_text()
+        except OSError as exc:
+            raise ValueError(f"--grammar {args.grammar}: {exc}") from None
+    return StructuredOutputsParams(**given) if given else None
 
 
 def _engine_options(args) -> dict:

@@ -47,6 +47,8 @@ from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Scheduler, SchedulerConfig,
                                           SequenceUpdate, StepPlan)
+from jaxserve.structured.grammar import GrammarCompiler
+from jaxserve.structured.matchers import StructuredOutputs
 from jaxserve.validation import InvalidRequestError, RequestLimits, check_text, validate_request
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,8 @@ class EngineCore:
                                                    self.max_model_len, config.page_size), allocator, eos,
                                    seed=config.seed)
         self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
+        # grammar matchers of constrained samples (jaxserve.structured); the compiler is shared with front ends
+        self.structured = StructuredOutputs(GrammarCompiler(tokenizer, model.cfg.vocab_size, eos))
         self._in_flight: PendingStep | None = None
         host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
         self._log_ready()
@@ -180,6 +184,10 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Queues a validated request (jaxserve.validation). Raises ValueError for an id already in use."""
+        if request.params.structured_outputs is not None:  # compiled (or found cached) before anything is queued
+            if request.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self.structured.add(request.request_id, request.params)
         if not self.has_unfinished_requests():
             self.meter.work_arrived()  # the device's idle time until now was not the host's doing
         self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
@@ -187,12 +195,14 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> tuple[SampleDelta, ...]:
         """Ends every unfinished sample of the request with "abort"; their final deltas (none if unknown)."""
+        self.structured.drop(request_id)
         return tuple(SampleDelta(request_id, index, finish_reason="abort")
                      for index in self.scheduler.abort_request(request_id))
 
     def finish_sample(self, request_id: str, index: int, stop: str) -> bool:
         """A stop string ended this sample (the output processor saw it): frees its sequence. True if that was
         the request's last unfinished sample. A token already computed for it is dropped when it comes back."""
+        self.structured.drop(request_id, index)
         return self.scheduler.finish_sample(request_id, index, "stop", stop)
 
     def has_unfinished_requests(self) -> bool:
@@ -282,7 +292,11 @@ class EngineCore:
         if not any(row.prompt_logprobs for row in plan.seqs):
             flags &= ~SamplingFlags.PROMPT_LOGPROBS
         self.meter.dispatching(plan)
-        pending = self.runner.dispatch(plan, flags)
+        disallowed = (self.structured.disallowed([(r.request_id, r.index, r.sample) for r in plan.seqs],
+                                                 self.model_config.vocab_size) if len(self.structured) else None)
+        # (the mask only when there is one: dispatch(plan, flags) is what unconstrained steps call)
+        pending = (self.runner.dispatch(plan, flags) if disallowed is None
+                   else self.runner.dispatch(plan, flags, disallowed))
         self.meter.dispatched(pending, self.config.async_scheduling)
         return pending
 
@@ -302,12 +316,22 @@ class EngineCore:
                   for i in range(len(rows))]
         prompt_chunks = prompt_logprobs_chunks(pending)
         updates = {(u.request_id, u.index): u for u in self.scheduler.update(pending.plan, tokens)}
+        if len(self.structured):
+            self._advance_matchers(updates.values())
         deltas = tuple(_delta(row, updates.get((row.request_id, row.index)), prompt_chunks.get(i))
                        for i, row in enumerate(rows)
                        if (row.request_id, row.index) in updates or i in prompt_chunks)
         record = self.meter.step_finished(pending)
         finished = {u.request_id for u in updates.values() if u.finished}
         return deltas, tuple(rid for rid in finished if rid not in self.scheduler.requests), record
+
+    def _advance_matchers(self, updates) -> None:
+        """Constrained samples' matchers take the tokens just read; finished samples' are dropped."""
+        for u in updates:
+            if u.finished:
+                self.structured.drop(u.request_id, u.index)
+            else:
+                self.structured.accept(u.request_id, u.index, u.token.token_id)
 
 
 class LLMEngine:

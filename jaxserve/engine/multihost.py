@@ -47,7 +47,7 @@ def encode(message: StepMessage) -> bytes:
         arrays["shape"] = np.array([s.kind, str(s.tokens), str(s.seqs), str(s.pages)])
         arrays["prompt_logprobs"] = np.array(message.prompt_logprobs)
         arrays.update({f"in.{f.name}": np.asarray(getattr(message.inputs, f.name))
-                       for f in dataclasses.fields(StepInputs)})
+                       for f in dataclasses.fields(StepInputs) if getattr(message.inputs, f.name) is not None})
     for key in CROPPED:
         if key in arrays:
             arrays[f"{key}.shape"] = np.array(arrays[key].shape)
@@ -68,7 +68,7 @@ def decode(payload: bytes) -> StepMessage:
     if "shape" not in z:
         return StepMessage(assigns, None)
     kind, tokens, seqs, pages = z["shape"].tolist()
-    inputs = StepInputs(**{f.name: z[f"in.{f.name}"] for f in dataclasses.fields(StepInputs)})
+    inputs = StepInputs(**{f.name: z[f"in.{f.name}"] for f in dataclasses.fields(StepInputs) if f"in.{f.name}" in z})
     return StepMessage(assigns, StepShape(kind, int(tokens), int(seqs), int(pages)), inputs,
                        bool(z["prompt_logprobs"]))
 

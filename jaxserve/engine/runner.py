@@ -31,8 +31,8 @@ from flax import nnx
 
 from jaxserve.engine.buckets import BucketError, BucketTable, StepShape
 from jaxserve.engine.memory import transient_bytes
-from jaxserve.engine.sampler import (FLAG_PROMPT_LOGPROBS, SampleOutput, SamplingFlags, SlotState, assign_slot,
-                                     sample)
+from jaxserve.engine.sampler import (FLAG_PROMPT_LOGPROBS, NUM_FLAGS, SampleOutput, SamplingFlags, SlotState,
+                                     assign_slot, sample)
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama
@@ -52,7 +52,10 @@ class StepInputs:
     query_start: jax.Array  # [S + 1] int32
     row_slots: jax.Array  # [S] int32 (0 = null slot)
     sample_mask: jax.Array  # [S] bool: write the sampled token into the slot's history
-    flags: jax.Array  # [6] bool, see SamplingFlags
+    flags: jax.Array  # [NUM_FLAGS] bool, see SamplingFlags
+    # [S, ceil(vocab / 32)] int32 structured-output bitmask, bit set = token not allowed (jaxserve.structured);
+    # None until ModelRunner.run puts its resident all-zero one there (nothing to send for unconstrained steps)
+    disallowed: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -94,9 +97,10 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
 
 
 def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, context_lens: jax.Array,
-                sample_mask: jax.Array, flags: jax.Array) -> tuple[SlotState, SampleOutput]:
+                sample_mask: jax.Array, flags: jax.Array, disallowed: jax.Array | None = None
+                ) -> tuple[SlotState, SampleOutput]:
     """Sampling: draws each row's token and appends it to the row's token history when the row samples."""
-    out = sample(logits, slots, row_slots, context_lens, flags)
+    out = sample(logits, slots, row_slots, context_lens, flags, disallowed)
     write_at = jnp.where(sample_mask, context_lens, slots.tokens.shape[1])
     tokens = slots.tokens.at[row_slots, write_at].set(out.tokens, mode="drop")
     return dataclasses.replace(slots, tokens=tokens), out
@@ -151,7 +155,7 @@ def step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, *,
             lambda: prompt_logprobs_step(nnx.merge(graphdef, params), out.hidden, targets, kernels, sharder),
             lambda: PromptLogprobs.zeros(shape.tokens))
     slots, sampled = sample_step(logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask,
-                                 inputs.flags)
+                                 inputs.flags, inputs.disallowed)
     return kv, slots, sampled, prompt_lp
 
 
@@ -195,6 +199,7 @@ class ModelRunner:
         self.kernels = kernels
         self.executables: dict[StepShape, Callable] = {}
         self._assign = jax.jit(assign_slot, donate_argnums=0, out_shardings=self.replicated)
+        self._no_constraints: dict[int, jax.Array] = {}  # seqs -> resident all-zero token bitmask
 
     @property
     def num_executables(self) -> int:
@@ -246,7 +251,13 @@ class ModelRunner:
         s, p = shape.seqs, shape.pages
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=self.replicated)
         bool_ = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bool_, sharding=self.replicated)
-        return StepInputs(i32((s, p)), i32((s,)), i32((s + 1,)), i32((s,)), bool_((s,)), bool_((6,)))
+        return StepInputs(i32((s, p)), i32((s,)), i32((s + 1,)), i32((s,)), bool_((s,)), bool_((NUM_FLAGS,)),
+                          i32((s, self.mask_words)))
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one row of the structured-output bitmask."""
+        return (self.cfg.vocab_size + 31) // 32
 
     # ---- execution ------------------------------------------------------------------------------------------
     def assign_slot(self, slot: int, row: dict) -> None:
@@ -260,10 +271,11 @@ class ModelRunner:
             return self.buckets.decode_shape(len(plan.seqs), max_pages)
         return self.buckets.prefill_shape(plan.num_tokens, len(plan.seqs), max_pages)
 
-    def dispatch(self, plan: StepPlan, flags: SamplingFlags) -> PendingStep:
-        """Starts the step on the device and returns at once (JAX dispatch is asynchronous)."""
+    def dispatch(self, plan: StepPlan, flags: SamplingFlags, disallowed: np.ndarray | None = None) -> PendingStep:
+        """Starts the step on the device and returns at once (JAX dispatch is asynchronous). `disallowed`: the
+        structured-output bitmask of the plan's rows ([rows, mask_words] int32), or None."""
         shape = self.shape_for(plan, flags.prompt_logprobs)
-        sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags), flags.prompt_logprobs)
+        sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags, disallowed), flags.prompt_logprobs)
         return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
 
     def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool
@@ -275,12 +287,23 @@ class ModelRunner:
             raise BucketError(f"{shape} is not in the compiled table")
         if self.mirror is not None:
             self.mirror.step(shape, inputs, prompt_logprobs)
+        if inputs.disallowed is None:
+            inputs = dataclasses.replace(inputs, disallowed=self._no_constraint_mask(shape.seqs))
         self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs)
         return sampled, prompt_lp if prompt_logprobs else None
 
+    def _no_constraint_mask(self, seqs: int) -> jax.Array:
+        """An all-zero bitmask kept on the device, so steps without constrained rows transfer none."""
+        mask = self._no_constraints.get(seqs)
+        if mask is None:
+            mask = self._no_constraints[seqs] = jax.device_put(np.zeros((seqs, self.mask_words), np.int32),
+                                                               self.replicated)
+        return mask
 
-def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags) -> StepInputs:
-    """Pads a plan to its bucket (numpy, host side)."""
+
+def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags,
+                 disallowed: np.ndarray | None = None) -> StepInputs:
+    """Pads a plan to its bucket (numpy, host side); the bitmask too, when the step has one."""
     s = shape.seqs
     block_tables = np.zeros((s, shape.pages), np.int32)
     context_lens = np.zeros(s, np.int32)
@@ -294,4 +317,7 @@ def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags) -> Step
         row_slots[i] = row.slot
         sample_mask[i] = row.sample
     np.cumsum(query_start, out=query_start)
-    return StepInputs(block_tables, context_lens, query_start, row_slots, sample_mask, flags.as_array())
+    if disallowed is not None:
+        disallowed = np.pad(disallowed, ((0, s - disallowed.shape[0]), (0, 0)))
+        flags |= SamplingFlags.STRUCTURED
+    return StepInputs(block_tables, context_lens, query_start, row_slots, sample_mask, flags.as_array(), disallowed)

@@ -7,6 +7,10 @@ what lets the host dispatch step N+1 before it has read step N's tokens.
 
 Seeded sampling draws with key fold_in(PRNGKey(seed), position): the same seed gives the same tokens whatever else
 is in the batch.
+
+Structured output (jaxserve.structured): a step may carry a packed token bitmask, [S, ceil(vocab / 32)] int32 with
+bit t of row r set when token t may not be sampled in row r. It is applied first, before bias, penalties,
+temperature and top-k/p/min-p, behind the STRUCTURED flag: a step without constrained rows skips it.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class SamplingFlags(enum.IntFlag):
     BIAS = 8  # logit_bias or min_tokens masking
     LOGPROBS = 16
     PROMPT_LOGPROBS = 32
+    STRUCTURED = 64  # a row samples under a grammar's token bitmask
 
     @property
     def logprobs(self) -> bool:
@@ -104,8 +109,8 @@ class SamplingFlags(enum.IntFlag):
         return bool(self & SamplingFlags.PROMPT_LOGPROBS)
 
     def as_array(self) -> np.ndarray:
-        """[6] bool in bit order: the step function's `flags` input."""
-        return np.array([bool(self & (1 << i)) for i in range(6)], dtype=bool)
+        """[NUM_FLAGS] bool in bit order: the step function's `flags` input."""
+        return np.array([bool(self & (1 << i)) for i in range(NUM_FLAGS)], dtype=bool)
 
     @classmethod
     @functools.lru_cache(maxsize=4096)
@@ -121,7 +126,8 @@ class SamplingFlags(enum.IntFlag):
         return functools.reduce(operator.or_, (bit for on, bit in flags if on), cls.NONE)
 
 
-FLAG_RANDOM, FLAG_FILTERS, FLAG_PENALTIES, FLAG_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS = range(6)
+NUM_FLAGS = 7
+FLAG_RANDOM, FLAG_FILTERS, FLAG_PENALTIES, FLAG_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, FLAG_STRUCTURED = range(7)
 
 
 @jax.tree_util.register_dataclass
@@ -134,9 +140,13 @@ class SampleOutput:
 
 
 def sample(logits: jax.Array, state: SlotState, slots: jax.Array, positions: jax.Array,
-           flags: jax.Array) -> SampleOutput:
-    """logits [S, V] float32 for the rows' slots [S]; positions [S] is where each sampled token will go."""
+           flags: jax.Array, disallowed: jax.Array | None = None) -> SampleOutput:
+    """logits [S, V] float32 for the rows' slots [S]; positions [S] is where each sampled token will go;
+    disallowed [S, ceil(V / 32)] int32: the structured-output bitmask (bit set = token not allowed), applied when
+    flags[FLAG_STRUCTURED]."""
     raw = logits
+    if disallowed is not None:
+        logits = jax.lax.cond(flags[FLAG_STRUCTURED], apply_token_bitmask, lambda lg, _: lg, logits, disallowed)
     logits = jax.lax.cond(flags[FLAG_BIAS], _apply_bias, lambda lg, *_: lg, logits, state, slots, positions)
     logits = jax.lax.cond(flags[FLAG_PENALTIES], _apply_penalties, lambda lg, *_: lg, logits, state, slots,
                           positions)
@@ -154,6 +164,13 @@ def _with_logprobs(raw: jax.Array, tokens: jax.Array) -> SampleOutput:
     top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def apply_token_bitmask(logits: jax.Array, disallowed: jax.Array) -> jax.Array:
+    """-inf where the packed bitmask [S, ceil(V / 32)] int32 has the token's bit set (bit t % 32 of word t // 32)."""
+    bits = (disallowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    banned = bits.reshape(disallowed.shape[0], -1)[:, :logits.shape[1]] != 0
+    return jnp.where(banned, -jnp.inf, logits)
 
 
 def _apply_bias(logits, state: SlotState, slots, positions):

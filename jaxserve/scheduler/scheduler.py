@@ -250,6 +250,8 @@ class Scheduler:
                 continue
             if seq.num_tokens >= seq.max_len:
                 continue  # its pending token is its last one
+            if seq.num_pending_tokens and seq.params.structured_outputs is not None:
+                continue  # its grammar needs that token before the next mask (jaxserve.structured.matchers)
             num_new = min(seq.num_uncomputed_tokens, budget.tokens)
             while not self._grow_pages(seq, seq.num_computed_tokens + num_new):
                 preempted = True

@@ -18,12 +18,14 @@ from starlette.responses import Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.constraints import field_names, structured_outputs
 from jaxserve.server.errors import bad_request
 from jaxserve.server.generation import Prompt, check_model, read_json, run_tokenizer, sampling_params, submit
 from jaxserve.server.logprobs import completion_logprobs
 from jaxserve.server.protocol import CompletionRequest, parse_request
 from jaxserve.server.responses import ResponseView, respond
 from jaxserve.server.state import ServerState, server_of
+from jaxserve.structured import StructuredOutputsParams
 
 
 async def create_completion(request: Request) -> Response:
@@ -33,8 +35,10 @@ async def create_completion(request: Request) -> Response:
     check_model(server, body.model)
     prompts = await run_tokenizer(completion_prompts, server, body)
     view = CompletionView(server, body, prompts)
-    params = completion_params(body, server.sampling_defaults)
-    streams = await submit(server, view.id, prompts, params, body.stream, lambda i: {"prompt": prompt_param(body, i)})
+    constraint, field = structured_outputs(body)
+    params = completion_params(body, server.sampling_defaults, constraint)
+    streams = await submit(server, view.id, prompts, params, body.stream,
+                           lambda i: {"prompt": prompt_param(body, i), **field_names(field)})
     return await respond(request, view, streams)
 
 
@@ -69,10 +73,12 @@ def prompt_param(body: CompletionRequest, index: int) -> str:
     return f"prompt[{index}]" if body.is_batch else "prompt"
 
 
-def completion_params(body: CompletionRequest, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+def completion_params(body: CompletionRequest, defaults: Mapping[str, Any] | None = None,
+                      constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     scores_prompt = body.echo and body.logprobs is not None
     return sampling_params(body, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
-                           prompt_logprobs=body.logprobs if scores_prompt else None, defaults=defaults)
+                           prompt_logprobs=body.logprobs if scores_prompt else None, defaults=defaults,
+                           structured_outputs=constraint)
 
 
 class CompletionView(ResponseView):

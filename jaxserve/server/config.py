@@ -26,6 +26,12 @@ class ServerConfig:
     log_level: str = "info"  # debug | info | warning | error | critical: jaxserve's and uvicorn's lines; other libraries log warnings and worse unless debug
     log_format: str = "text"  # text | json (one JSON object per line, for log shippers)
     access_log: bool = True  # one line per request, with its X-Request-Id
+    tool_call_parser: str | None = None  # tool-call syntax parsed for tool_choice auto: hermes | llama3_json | mistral (default: the model family's)
+
+    def __post_init__(self):
+        from jaxserve.structured.tools import PARSERS
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
 
     def replace(self, **changes) -> "ServerConfig":
         return dataclasses.replace(self, **changes)

@@ -74,7 +74,8 @@ async def run_tokenizer(function: Callable, *args, **kwargs):
 
 
 def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, defaults: Mapping[str, Any] | None = None,
+                    structured_outputs=None) -> SamplingParams:
     """The engine's parameters for a parsed request; they are validated where the engine takes the request.
     `defaults` (the model's generation_config.json: config.sampling_defaults) replace the built-in defaults of the
     fields the request left unset."""
@@ -87,7 +88,7 @@ def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, logit_bias=request.logit_bias or {},
-        skip_special_tokens=request.skip_special_tokens)
+        skip_special_tokens=request.skip_special_tokens, structured_outputs=structured_outputs)
     given = request.sampling_fields_set()
     values.update({name: value for name, value in (defaults or {}).items() if name not in given})
     return SamplingParams(**values)

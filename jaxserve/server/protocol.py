@@ -1,7 +1,9 @@
 """The OpenAI request bodies jaxserve accepts (plus vLLM's common extensions) as pydantic v2 models: they validate a
 request (`parse_request`) and describe it in /openapi.json (pydantic's JSON Schema). Numeric bounds come from
 jaxserve.validation's table, the one the engine checks against. Fields OpenAI defines that jaxserve cannot honour
-are accepted only at their neutral value (suffix, best_of != n, response_format other than text).
+are accepted only at their neutral value (suffix, best_of != n). Structured output: OpenAI's `response_format`,
+vLLM's `structured_outputs` object and its older `guided_*` fields (jaxserve.server.constraints turns them into
+one StructuredOutputsParams).
 
 Conventions (those of the hand-written validator these models replaced): unknown body fields are ignored; an explicit null means "not
 given" (the field takes its default, and is not in `model_fields_set`); types are strict (no "5" for 5, no true for
@@ -135,8 +137,37 @@ class Message(OpenObject):
         return {**message, "content": content or ""}
 
 
+class JsonSchemaFormat(OpenObject):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON Schema the output follows")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenObject):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: {name, schema, strict}")
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's structured_outputs object: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # an option we would silently ignore is a 400
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, description="Lark (llguidance) or GBNF (llama.cpp) syntax")
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="compact JSON (the default here)")
+    whitespace_pattern: str | None = Field(None, description="a regex for the whitespace JSON may have between "
+                                                             "tokens (default: none)")
+    disable_additional_properties: bool | None = Field(
+        None, description="objects without additionalProperties allow no other keys")
+    disable_fallback: bool | None = Field(None, description="accepted; there is one grammar engine")
+
+
+JsonSchemaValue = one_of("an object or a string", _string_or_object, **{"<text>": str, "<object>": dict[str, Any]})
 
 
 Messages = Annotated[list[Message], Field(min_length=1)]
@@ -165,6 +196,16 @@ class SamplingFields(RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(None, description="include_usage: a final chunk with usage")
     user: str | None = Field(None, description="accepted and ignored")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object, or json_schema {name, schema, strict}: the output is JSON that follows it")
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="vLLM's constraints: one of json, regex, choice, grammar, json_object")
+    guided_json: JsonSchemaValue | None = Field(None, description="older vLLM name of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="older vLLM name of structured_outputs.regex")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="older vLLM name of structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="older vLLM name of structured_outputs.grammar")
+    guided_decoding_backend: str | None = Field(None, description="accepted and ignored: llguidance is used")
 
     @property
     def include_usage(self) -> bool:
@@ -203,12 +244,13 @@ class ChatCompletionRequest(SamplingFields):
         None, description="default: up to the model's length")
     logprobs: bool | None = False
     top_logprobs: int_in("logprobs") | None = Field(None, description="needs logprobs: true")
-    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"} is supported")
-    tools: list[dict[str, Any]] | None = Field(None, description="passed to the chat template; tool calls are not "
-                                                               "parsed")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="functions the model may call: [{type: function, function: {name, description, "
+                          "parameters}}]; passed to the chat template")
     tool_choice: one_of("a string or an object", _string_or_object, **{"<text>": str, "<object>": dict[str, Any]}
-                        ) | None = Field(None, description="accepted and ignored")
-    parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
+                        ) | None = Field(None, description="none | auto (default with tools) | required | "
+                                                           "{type: function, function: {name}}")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call with tool_choice required")
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
 
