@@ -40,10 +40,11 @@ def outputs(finals, requests):
     return {rid: finals[rid].outputs[0].token_ids for rid, _, _ in requests}
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3,
+                               pytest.param(5, marks=pytest.mark.slow)])
 def test_ngram_greedy_equals_the_dense_reference(model, reference, k):
     engine = LLMEngine(model, ngram(ENGINE, k), show_progress=False)
-    prompts = repetitive_prompts(k, 10) + mixed_prompts(k, 6, 200)
+    prompts = repetitive_prompts(0, 10) + mixed_prompts(0, 6, 200)  # the same for every K: one reference
     requests = [(f"s{i}", p, greedy(8 + 4 * (i % 6))) for i, p in enumerate(prompts)]
     finals = run_staggered(engine, requests, per_step=2, on_step=engine.core.scheduler.check_invariants)
     for request_id, prompt, params in requests:
@@ -54,6 +55,7 @@ def test_ngram_greedy_equals_the_dense_reference(model, reference, k):
     assert engine.core.scheduler.allocator.num_used_pages == 0
 
 
+@pytest.mark.slow
 def test_ngram_greedy_with_preemption_and_prefix_hits(model, reference):
     small = ngram(ENGINE, 3, kv_cache_memory=60 * 8 * 2 * 2 * 2 * 16 * 4)  # 60 pages: far fewer than needed
     engine = LLMEngine(model, small, show_progress=False)
@@ -168,7 +170,8 @@ def greedy_both_ways(model_dir, prompts, max_tokens, config=FIXTURE_ENGINE, k=3)
     return results
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "llama3.2" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])  # one family in the default run: each compiles 2 engines
 def test_ngram_greedy_equals_plain_greedy_on_parity_fixtures(family, converted):
     prompts = [p["ids"] for p in json.loads((FIXTURES / family / "reference.json").read_text())["prompts"]]
     prompts += [p["ids"] + p["continuation"][:16] for p in json.loads(
@@ -178,6 +181,7 @@ def test_ngram_greedy_equals_plain_greedy_on_parity_fixtures(family, converted):
     assert spec.num_drafts > 0
 
 
+@pytest.mark.slow
 def test_ngram_greedy_equals_plain_greedy_on_the_demo_model():
     from jaxserve.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(DEMO)

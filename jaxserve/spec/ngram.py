@@ -25,11 +25,16 @@ class _SuffixIndex:
         self.indexed = 0  # n-grams ending at positions <= indexed are in the index
 
     def extend(self, tokens: list[int], upto: int) -> None:
-        for end in range(self.indexed + 1, upto + 1):
-            for n in self.sizes:
-                if end >= n:
-                    self.ends[n][tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, upto)
+        """Indexes the n-grams ending at indexed + 1 .. upto; later occurrences overwrite earlier ones. The tuples
+        are built by zip over shifted slices (C loops), so a long prompt's first index costs little."""
+        if upto <= self.indexed:
+            return
+        for n in self.sizes:
+            first, last = max(self.indexed + 1, n) - n, upto - n  # starts of the new n-grams
+            if last >= first:
+                shifted = [tokens[first + i:last + 1 + i] for i in range(n)]
+                self.ends[n].update(zip(zip(*shifted), range(first + n, last + n + 1)))
+        self.indexed = upto
 
     def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
         length = len(tokens)
