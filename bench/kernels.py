@@ -217,6 +217,8 @@ def ragged_mixes(setup: Setup) -> dict:
         "chunks 4x512 (1536 cached)": ([512] * 4, [2048] * 4, 2048),
         "mixed 4x256 + 60 decode": ([256] * 4 + [1] * 60, [1024] * 4 + [2048] * 60, 1152),
         "decode-like 256x1": ([1] * 256, [2048] * 256, 256),
+        "verify 8x(3+1)": ([4] * 8, [2048] * 8, 32),  # speculative decoding: K = 3 proposals + the last token
+        "verify 64x(3+1)": ([4] * 64, [2048] * 64, 256),
     }
 
 

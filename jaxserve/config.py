@@ -207,6 +207,21 @@ class EngineConfig:
     num_processes: int | None = None  # multi-host: processes (hosts) in the run
     process_id: int | None = None  # multi-host: this process's rank, 0..num_processes-1 (0 serves and schedules)
     generation_config: str = "auto"  # auto | vllm | a folder: where requests' default sampling comes from
+    speculative_method: str | None = None  # None | ngram | draft (jaxserve.spec)
+    num_speculative_tokens: int = 3  # K: tokens proposed per speculating sequence and step, 1..8
+    ngram_max: int = 4  # ngram: longest suffix looked up in the sequence's earlier tokens
+    ngram_min: int = 1  # ngram: shortest suffix looked up
+    speculative_model: str | None = None  # draft: the draft checkpoint's folder
+    speculative_disable_batch_size: int | None = 8  # no speculation in a step with more running sequences
+
+    def speculation(self) -> "SpeculativeConfig | None":
+        """The speculative-decoding settings, checked (ConfigError names the flag), or None when off."""
+        if self.speculative_method is None:
+            return None
+        spec = SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min,
+                                 self.ngram_max, self.speculative_model, self.speculative_disable_batch_size)
+        spec.check()
+        return spec
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is not None:
@@ -219,6 +234,39 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (jaxserve.spec): `method` proposes up to `num_tokens` (K) tokens per sequence and step,
+    the target verifies them in one step. No speculation in a step with more than `disable_batch_size` running
+    sequences (None: always speculate)."""
+
+    method: str
+    num_tokens: int
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None
+    disable_batch_size: int | None = None
+
+    def check(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-method {self.method!r} is not supported; use one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--num-speculative-tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_tokens}")
+        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: need "
+                              f"1 <= ngram-min <= ngram-max")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("--speculative-method draft needs --speculative-model DIR (a jaxserve checkpoint "
+                              "sharing the target's tokenizer)")
+        if self.disable_batch_size is not None and self.disable_batch_size < 1:
+            raise ConfigError(f"--speculative-disable-batch-size must be >= 1, got {self.disable_batch_size}")
 
 
 # generation_config.json key -> the SamplingParams field it gives a default to (as vLLM reads the file)

@@ -30,19 +30,32 @@ class FakeDevice:
         results = []
         for row in plan.seqs:
             buffer = self.buffers[row.slot]
-            assert len(buffer) >= row.context_len, "a token the step needs was never sampled"
+            known = row.context_len - row.num_draft_tokens  # a verify row's proposals come after its tokens
+            assert len(buffer) >= known, "a token the step needs was never sampled"
+            if row.draft_token_ids:
+                del buffer[known:]
+                buffer.extend(row.draft_token_ids)
             for pos in range(row.context_len - row.num_new_tokens, row.context_len):
                 self.kv[row.pages[pos // self.page_size]][pos % self.page_size] = buffer[pos]
             cached = [self.kv[row.pages[p // self.page_size]][p % self.page_size] for p in range(row.context_len)]
             assert cached == buffer[:row.context_len], "the cache pages do not hold the sequence's tokens"
             if row.sample:
-                token = next_token(buffer[:row.context_len])
-                del buffer[row.context_len:]
-                buffer.append(token)
-                results.append(SampledToken(token))
+                tokens = self._accept(buffer, known, row.draft_token_ids)
+                results.append(tuple(SampledToken(t) for t in tokens) if row.draft_token_ids else
+                               SampledToken(tokens[0]))
             else:
                 results.append(None)
         return results
+
+    @staticmethod
+    def _accept(buffer: list[int], known: int, drafts: tuple[int, ...]) -> list[int]:
+        """Greedy verification: proposals while they equal the model's next token, then the model's token."""
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == next_token(buffer[:known + accepted]):
+            accepted += 1
+        del buffer[known + accepted:]
+        buffer.append(next_token(buffer))
+        return buffer[known:]
 
 
 def run_to_completion(scheduler: Scheduler, device: FakeDevice, lag: int = 0, on_step=None, max_steps=10_000):

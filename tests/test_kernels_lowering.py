@@ -113,6 +113,8 @@ RAGGED_SHAPES = [
     (2048, 4, 4, 128, 16, jnp.bfloat16, None, None),  # prefill chunks
     (512, 64, 4, 128, 16, jnp.bfloat16, None, None),  # mixed: a few chunks and many decode tokens
     (256, 256, 8, 128, 32, jnp.bfloat16, 1024, None),  # decode-like
+    (32, 8, 4, 128, 16, jnp.bfloat16, None, None),  # verify (speculative decoding): 8 sequences x (K = 3) + 1
+    (320, 64, 4, 128, 16, jnp.bfloat16, None, None),  # verify: 64 x (4 + 1), short query blocks
     (128, 8, 1, 64, 64, jnp.float32, None, None),
     (96, 5, 3, 64, 16, jnp.float16, 40, rpa.RaggedConfig(block_q=4, block_k=16)),
 ]

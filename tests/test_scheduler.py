@@ -252,7 +252,7 @@ def test_sampled_token_rows_line_up_with_the_plan():
     sched.add_request("a", [1, 2], greedy(1))
     plan = sched.schedule()
     updates = sched.update(plan, [SampledToken(7, -0.5, ((7, -0.5),))])
-    assert updates[0].token.token_id == 7 and updates[0].finished
+    assert updates[0].tokens[0].token_id == 7 and updates[0].finished
 
 
 def test_aborting_a_sibling_that_waits_with_shared_prompt_pages_frees_them():

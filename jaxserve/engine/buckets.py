@@ -2,6 +2,9 @@
 
     decode[B, P]       B sequences, one new token each, block tables P pages wide
     prefill[T, S, P]   up to T tokens from up to S sequences (prompt chunks and decode tokens mixed)
+    verify[T, S, P]    up to K proposals per row, sampled at K + 1 tokens per row (speculative decoding only):
+                       prefill's (T, S) pairs, plus ((K + 1) B, B) for the decode sizes B a speculating batch
+                       can have, so a pure verify step pads no more than a decode step does
 
 P (pages per block-table row) bounds how much context the XLA attention path gathers; the Pallas kernels read only
 the pages a sequence has, so with them the P ladder collapses to one rung.
@@ -21,7 +24,7 @@ class BucketError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    kind: str  # "decode" | "prefill"
+    kind: str  # "decode" | "prefill" | "verify"
     tokens: int  # T (== sequences for decode)
     seqs: int  # S
     pages: int  # P
@@ -29,7 +32,7 @@ class StepShape:
     def __str__(self) -> str:
         if self.kind == "decode":
             return f"decode[B={self.seqs},P={self.pages}]"
-        return f"prefill[T={self.tokens},S={self.seqs},P={self.pages}]"
+        return f"{self.kind}[T={self.tokens},S={self.seqs},P={self.pages}]"
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -53,10 +56,13 @@ class BucketTable:
     decode_sizes: tuple[int, ...]  # B ladder
     prefill_sizes: tuple[tuple[int, int], ...]  # (T, S) pairs, sorted by T then S
     page_sizes: tuple[int, ...]  # P ladder
+    num_speculative_tokens: int = 0  # K > 0: the verify family (verify_sizes x P) with K proposals per row
+    verify_sizes: tuple[tuple[int, int], ...] = ()  # (T, S) pairs of the verify family, sorted
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages: int, *,
-              decode_sizes=None, token_sizes=None, seq_sizes=None, context_pages=None) -> "BucketTable":
+              decode_sizes=None, token_sizes=None, seq_sizes=None, context_pages=None,
+              num_speculative_tokens: int = 0, speculative_batch_size: int | None = None) -> "BucketTable":
         """Default ladders: B in powers of two; T in powers of four from 16 up to the token budget, each with
         S = min(T, max_num_seqs) (a step never has more sequences than tokens); P in powers of four from 16
         pages. An explicit S ladder pairs every S with every T >= S."""
@@ -67,20 +73,28 @@ class BucketTable:
         else:
             pairs = [(t, min(t, max_num_seqs)) for t in tokens]
         pages = context_pages or _geometric(min(16, max_pages), max_pages, 4)
+        verify = []
+        if num_speculative_tokens:
+            short = [b for b in decode if speculative_batch_size is None or b <= speculative_batch_size]
+            verify = pairs + [((num_speculative_tokens + 1) * b, b) for b in short
+                              if (num_speculative_tokens + 1) * b < max(t for t, _ in pairs)]
         return cls(tuple(sorted(set(decode))), tuple(sorted(set(pairs))),
-                   tuple(sorted(set(min(p, max_pages) for p in pages))))
+                   tuple(sorted(set(min(p, max_pages) for p in pages))), num_speculative_tokens,
+                   tuple(sorted(set(verify))))
 
     def shapes(self) -> list[StepShape]:
         out = [StepShape("decode", b, b, p) for b in self.decode_sizes for p in self.page_sizes]
         out += [StepShape("prefill", t, s, p) for t, s in self.prefill_sizes for p in self.page_sizes]
+        out += [StepShape("verify", t, s, p) for t, s in self.verify_sizes for p in self.page_sizes]
         return out
 
     def largest_shapes(self) -> list[StepShape]:
         """The largest shape of each family (most tokens, then sequences, then pages): where the executables'
         temporaries peak, as jaxserve.engine.memory measures them before sizing the KV cache."""
         shapes = self.shapes()
+        kinds = ("decode", "prefill", "verify") if self.num_speculative_tokens else ("decode", "prefill")
         return [max((s for s in shapes if s.kind == kind), key=lambda s: (s.tokens, s.seqs, s.pages))
-                for kind in ("decode", "prefill")]
+                for kind in kinds]
 
     def check_covers(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                      page_size: int) -> None:
@@ -117,23 +131,37 @@ class BucketTable:
         return StepShape("decode", b, b, _fit(self.page_sizes, max_pages, "pages per sequence"))
 
     def prefill_shape(self, num_tokens: int, num_seqs: int, max_pages: int) -> StepShape:
-        fitting = [(t, s) for t, s in self.prefill_sizes if t >= num_tokens and s >= num_seqs]
-        if not fitting:
-            raise BucketError(f"a step of {num_tokens} tokens from {num_seqs} sequences fits no compiled bucket "
-                              f"(largest: {self.prefill_sizes[-1]})")
-        t, s = fitting[0]
-        return StepShape("prefill", t, s, _fit(self.page_sizes, max_pages, "pages per sequence"))
+        return _ragged_shape("prefill", self.prefill_sizes, num_tokens, num_seqs,
+                             _fit(self.page_sizes, max_pages, "pages per sequence"))
+
+    def verify_shape(self, num_tokens: int, num_seqs: int, max_pages: int) -> StepShape:
+        if not self.verify_sizes:
+            raise BucketError("a plan with proposals, but this table has no verify shapes (no speculation)")
+        return _ragged_shape("verify", self.verify_sizes, num_tokens, num_seqs,
+                             _fit(self.page_sizes, max_pages, "pages per sequence"))
+
+
+def _ragged_shape(kind: str, sizes, num_tokens: int, num_seqs: int, pages: int) -> StepShape:
+    fitting = [(t, s) for t, s in sizes if t >= num_tokens and s >= num_seqs]
+    if not fitting:
+        raise BucketError(f"a step of {num_tokens} tokens from {num_seqs} sequences fits no compiled bucket "
+                          f"(largest: {sizes[-1]})")
+    t, s = fitting[0]
+    return StepShape(kind, t, s, pages)
 
 
 def engine_buckets(config: EngineConfig, max_model_len: int, attention_name: str) -> BucketTable:
-    """The engine's table from its config, checked to cover every plan the scheduler can make."""
+    """The engine's table from its config, checked to cover every plan the scheduler can make (verify shapes
+    when speculative decoding is on)."""
     max_pages = -(-max_model_len // config.page_size)
     context = config.context_buckets and tuple(-(-t // config.page_size) for t in config.context_buckets)
     if attention_name == "pallas" and not context:
         context = (max_pages,)  # the kernels read only the pages a sequence has
     table = BucketTable.build(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                               decode_sizes=config.decode_buckets, token_sizes=config.prefill_token_buckets,
-                              seq_sizes=config.prefill_seq_buckets, context_pages=context)
+                              seq_sizes=config.prefill_seq_buckets, context_pages=context,
+                              num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
+                              speculative_batch_size=config.speculative_disable_batch_size)
     table.check_covers(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.page_size)
     return table
 

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import host_memory
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.buckets import BucketTable, engine_buckets
 from jaxserve.engine.memory import KVPlan, plan_kv_cache, transient_bytes, wanted_pages
 from jaxserve.engine.multihost import leader_mirror
-from jaxserve.engine.messages import EngineRequest, PromptLogprobsChunk, SampleDelta, SchedulerStats, StepOutputs
+from jaxserve.engine.messages import (EngineRequest, PromptLogprobsChunk, SampleDelta, SchedulerStats,
+                                     SpecDecodeStats, StepOutputs)
 from jaxserve.engine.output import OutputProcessor
 from jaxserve.engine.placement import (abstract_on_mesh, create_on_mesh, engine_mesh, free_memory, kv_cache_shardings,
                                        model_sharder, place_model)
@@ -45,6 +46,7 @@ from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
 from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec.ngram import NgramProposer
 from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Scheduler, SchedulerConfig,
                                           SequenceUpdate, StepPlan)
 from jaxserve.structured.grammar import GrammarCompiler
@@ -74,6 +76,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = config.resolved_max_model_len(model.cfg)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model.dtype)
+        self.speculation = checked_speculation(config)
         self.kernels = Kernels.resolve(config.attention, config.matmul, self.kv_dtype,  # chosen once, here
                                        config.tensor_parallel_size)
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
@@ -96,9 +99,12 @@ class EngineCore:
         self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
+        spec = self.speculation
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.page_size), allocator, eos,
-                                   seed=config.seed)
+                                                   self.max_model_len, config.page_size,
+                                                   spec.num_tokens if spec else 0,
+                                                   spec.disable_batch_size if spec else None),
+                                   allocator, eos, seed=config.seed, proposer=make_proposer(spec))
         self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
         # grammar matchers of constrained samples (jaxserve.structured); the compiler is shared with front ends
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer, model.cfg.vocab_size, eos))
@@ -212,7 +218,8 @@ class EngineCore:
         scheduler = self.scheduler
         prefix = scheduler.allocator.stats
         return SchedulerStats(len(scheduler.running), scheduler.num_waiting, scheduler.allocator.usage,
-                              scheduler.num_preemptions, prefix.queries, prefix.hits, self.meter.stats.totals)
+                              scheduler.num_preemptions, prefix.queries, prefix.hits, self.meter.stats.totals,
+                              SpecDecodeStats.of(scheduler.speculation))
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> StepOutputs:
@@ -223,13 +230,21 @@ class EngineCore:
         every request of the step it broke. A device error, or one that leaves the device state unusable,
         raises: the engine is dead."""
         self.meter.step_started(self._in_flight)
+        one_ahead = self.config.async_scheduling and not self.scheduler.speculating
+        earlier = ((), (), None)
+        if self._in_flight is not None and not one_ahead:  # proposals need every sequence's newest token
+            pending, self._in_flight = self._in_flight, None
+            try:
+                earlier = self._finish_step(pending)
+            except Exception as exc:
+                return self._failed_step(exc, (), pending.plan)
         plan = self.scheduler.schedule()
         plan, failed = self._assign_slots(plan)
         try:
             pending = self._dispatch(plan) if not plan.is_empty else None
         except Exception as exc:
-            return self._failed_step(exc, failed, plan)
-        if self.config.async_scheduling:
+            return _after(earlier, self._failed_step(exc, failed, plan))
+        if one_ahead:
             previous, self._in_flight = self._in_flight, pending
         else:
             previous = pending
@@ -237,9 +252,10 @@ class EngineCore:
             deltas, finished, record = self._finish_step(previous) if previous is not None else ((), (), None)
         except Exception as exc:
             self._in_flight = None  # its rows are failed with the step's
-            return self._failed_step(exc, failed, previous.plan, plan)
-        return StepOutputs(self._scheduling_deltas(plan) + deltas, self.stats_snapshot(), finished,
-                           time.monotonic(), (record,) if record is not None else (), failed)
+            return _after(earlier, self._failed_step(exc, failed, previous.plan, plan))
+        records = tuple(r for r in (earlier[2], record) if r is not None)
+        return StepOutputs(earlier[0] + self._scheduling_deltas(plan) + deltas, self.stats_snapshot(),
+                           earlier[1] + finished, time.monotonic(), records, failed)
 
     def _assign_slots(self, plan: StepPlan) -> tuple[StepPlan, tuple[tuple[str, str], ...]]:
         """Writes the slot rows of the plan's new sequences. A request whose row cannot be built fails alone: its
@@ -311,9 +327,7 @@ class EngineCore:
         sampled = np.asarray(pending.sampled.tokens)
         self.meter.fetch_done(pending, fetch)
         rows = pending.plan.seqs
-        logprobs = sampled_logprobs(pending)
-        tokens = [SampledToken(int(sampled[i]), *logprobs[i]) if logprobs else SampledToken(int(sampled[i]))
-                  for i in range(len(rows))]
+        tokens = sampled_tokens(pending, sampled)
         prompt_chunks = prompt_logprobs_chunks(pending)
         updates = {(u.request_id, u.index): u for u in self.scheduler.update(pending.plan, tokens)}
         if len(self.structured):
@@ -321,7 +335,7 @@ class EngineCore:
         deltas = tuple(_delta(row, updates.get((row.request_id, row.index)), prompt_chunks.get(i))
                        for i, row in enumerate(rows)
                        if (row.request_id, row.index) in updates or i in prompt_chunks)
-        record = self.meter.step_finished(pending)
+        record = self.meter.step_finished(pending, sum(len(t) for t in tokens if t is not None))
         finished = {u.request_id for u in updates.values() if u.finished}
         return deltas, tuple(rid for rid in finished if rid not in self.scheduler.requests), record
 
@@ -414,6 +428,15 @@ class LLMEngine:
         self.core.close()
 
 
+def _after(earlier: tuple, outputs: StepOutputs) -> StepOutputs:
+    """A failed step's outputs behind the deltas of the step read back before it (speculation reads the previous
+    step back before scheduling the next)."""
+    deltas, finished, record = earlier
+    return dataclasses.replace(outputs, deltas=deltas + outputs.deltas,
+                               finished_requests=finished + outputs.finished_requests,
+                               records=((record,) if record is not None else ()) + outputs.records)
+
+
 def tokenize(tokenizer, prompt: str | Seq[int]) -> tuple[str | None, tuple[int, ...]]:
     """Text -> (text, ids); ids -> (None, ids)."""
     if isinstance(prompt, str):
@@ -430,22 +453,43 @@ def tokenize(tokenizer, prompt: str | Seq[int]) -> tuple[str | None, tuple[int, 
 def _delta(row: ScheduledSequence, update: SequenceUpdate | None, chunk: PromptLogprobsChunk | None) -> SampleDelta:
     if update is None:
         return SampleDelta(row.request_id, row.index, prompt_logprobs=chunk)
-    token = update.token
-    logprobs = (TokenLogprob(token.token_id, token.logprob, token.top),) if row.params.logprobs is not None else None
-    return SampleDelta(row.request_id, row.index, (token.token_id,), logprobs, update.finish_reason,
-                       update.stop_reason, chunk)
+    logprobs = (tuple(TokenLogprob(t.token_id, t.logprob, t.top) for t in update.tokens)
+                if row.params.logprobs is not None else None)
+    return SampleDelta(row.request_id, row.index, tuple(t.token_id for t in update.tokens), logprobs,
+                       update.finish_reason, update.stop_reason, chunk)
 
 
-def sampled_logprobs(pending: PendingStep) -> list[tuple[float, tuple]] | None:
-    """(logprob, top alternatives) per plan row, each row with as many alternatives as its request asked for."""
+def sampled_tokens(pending: PendingStep, sampled: np.ndarray) -> list[tuple[SampledToken, ...] | None]:
+    """Each plan row's new tokens (None for rows that did not sample): one, or on a verify step the accepted
+    proposals and the target's next token; with their logprobs when the step computed them."""
+    verifying = sampled.ndim == 2
+    counts = np.asarray(pending.sampled.num_accepted) + 1 if verifying else None
+    logprobs = sampled_logprobs(pending)
+    out = []
+    for i, row in enumerate(pending.plan.seqs):
+        if not row.sample:
+            out.append(None)
+            continue
+        ids = sampled[i, :counts[i]].tolist() if verifying else [int(sampled[i])]
+        out.append(tuple(SampledToken(t, *logprobs[i][j]) if logprobs else SampledToken(t)
+                         for j, t in enumerate(ids)))
+    return out
+
+
+def sampled_logprobs(pending: PendingStep) -> list[list[tuple[float, tuple]]] | None:
+    """(logprob, top alternatives) per plan row and sampled position, each row with as many alternatives as its
+    request asked for."""
     if not pending.flags.logprobs:
         return None
     out = pending.sampled
     chosen, top_ids, top_lp = np.asarray(out.logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    if chosen.ndim == 1:  # one position per row
+        chosen, top_ids, top_lp = chosen[:, None], top_ids[:, None], top_lp[:, None]
     rows = []
     for i, row in enumerate(pending.plan.seqs):
         k = row.params.logprobs or 0
-        rows.append((float(chosen[i]), tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))))
+        rows.append([(float(chosen[i, j]), tuple(zip(top_ids[i, j, :k].tolist(), top_lp[i, j, :k].tolist())))
+                     for j in range(chosen.shape[1])])
     return rows
 
 
@@ -466,6 +510,25 @@ def prompt_logprobs_chunks(pending: PendingStep) -> dict[int, PromptLogprobsChun
                                             tuple(chosen[start:end].tolist()), tops)
         start = end
     return chunks
+
+
+def checked_speculation(config: EngineConfig):
+    """The engine's speculative-decoding settings (jaxserve.config.SpeculativeConfig), or None when off."""
+    spec = config.speculation()
+    if spec is None:
+        return None
+    if spec.method == "draft":
+        raise ConfigError("--speculative-method draft is not implemented yet; use --speculative-method ngram")
+    if config.coordinator_address is not None:
+        raise ConfigError("speculative decoding is single-host for now: drop --speculative-method or "
+                          "--coordinator-address")
+    return spec
+
+
+def make_proposer(spec):
+    if spec is None:
+        return None
+    return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 
 def enable_compilation_cache(directory: str | None) -> None:

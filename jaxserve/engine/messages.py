@@ -58,6 +58,42 @@ class SampleDelta:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SpecDecodeStats:
+    """Speculative decoding since start-up (vLLM's spec_decode counters): verify rows that carried proposals,
+    proposed tokens, accepted ones, and accepted ones by position among a row's proposals."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, counts) -> "SpecDecodeStats":
+        """From the scheduler's running counts (jaxserve.scheduler.scheduler.SpeculationCounts)."""
+        return cls(counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens,
+                   tuple(counts.accepted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verify row: accepted proposals + the target's own token (vLLM's mean acceptance length)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @staticmethod
+    def combine(stats) -> "SpecDecodeStats":
+        width = max((len(s.accepted_per_position) for s in stats), default=0)
+        per_position = [0] * width
+        for s in stats:
+            for i, n in enumerate(s.accepted_per_position):
+                per_position[i] += n
+        return SpecDecodeStats(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
+                               sum(s.num_accepted_tokens for s in stats), tuple(per_position))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """The engine's state after a step, for admission and metrics (counters are totals since start-up)."""
 
@@ -68,6 +104,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0
     totals: StepTotals = StepTotals()  # steps, tokens, generated tokens, device busy and idle seconds
+    spec_decode: SpecDecodeStats = SpecDecodeStats()
 
     @staticmethod
     def combine(replicas: "tuple[SchedulerStats, ...] | list[SchedulerStats]") -> "SchedulerStats":
@@ -75,7 +112,8 @@ class SchedulerStats:
         counts = ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
         return SchedulerStats(**{name: sum(getattr(s, name) for s in replicas) for name in counts},
                               kv_cache_usage=sum(s.kv_cache_usage for s in replicas) / max(len(replicas), 1),
-                              totals=StepTotals.combine([s.totals for s in replicas]))
+                              totals=StepTotals.combine([s.totals for s in replicas]),
+                              spec_decode=SpecDecodeStats.combine([s.spec_decode for s in replicas]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

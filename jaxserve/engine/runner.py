@@ -32,7 +32,7 @@ from flax import nnx
 from jaxserve.engine.buckets import BucketError, BucketTable, StepShape
 from jaxserve.engine.memory import transient_bytes
 from jaxserve.engine.sampler import (FLAG_PROMPT_LOGPROBS, NUM_FLAGS, SampleOutput, SamplingFlags, SlotState,
-                                     assign_slot, sample)
+                                     VerifyOutput, assign_slot, sample, verify)
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama
@@ -60,8 +60,18 @@ class StepInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class DraftInputs:
+    """A verify step's proposals (speculative decoding): row s's last counts[s] query tokens are tokens[s, :counts[s]],
+    written into the slot's token buffer before the forward pass reads its input tokens there."""
+
+    tokens: jax.Array  # [S, K] int32
+    counts: jax.Array  # [S] int32, 0..K
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class ModelOutputs:
-    logits: jax.Array  # [S, vocab] float32 at each sequence's last new token
+    logits: jax.Array  # [S, vocab] float32 at each sequence's last new token (or at `logit_rows`)
     hidden: jax.Array  # [T, hidden] final hidden states (read only when prompt logprobs are wanted)
     token_slots: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
@@ -81,8 +91,9 @@ class PromptLogprobs:
 
 
 def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: StepInputs, *, shape: StepShape,
-               page_size: int, kernels: Kernels) -> tuple[KVCache, ModelOutputs]:
-    """The forward pass of one step. Input tokens come from the slots' token buffer on device."""
+               page_size: int, kernels: Kernels, logit_rows: jax.Array | None = None) -> tuple[KVCache, ModelOutputs]:
+    """The forward pass of one step. Input tokens come from the slots' token buffer on device. Logits are computed
+    at each sequence's last new token, or at the step's tokens `logit_rows` [R] when given."""
     model: Llama = nnx.merge(graphdef, params)
     num_seqs, num_tokens = shape.seqs, shape.tokens
     is_decode = shape.kind == "decode"
@@ -92,7 +103,7 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
     valid = meta.seq_ids < num_seqs
     token_slots = jnp.where(valid, inputs.row_slots[jnp.minimum(meta.seq_ids, num_seqs - 1)], 0)
     hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels)
-    last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
+    last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1) if logit_rows is None else logit_rows
     return kv, ModelOutputs(model.logits(hidden[last], kernels), hidden, token_slots, meta.positions)
 
 
@@ -149,14 +160,45 @@ def step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, *,
     logits = gather_logits(out.logits, sharder)
     prompt_lp = None
     if shape.kind == "prefill":
-        targets = slots.tokens[out.token_slots, out.positions + 1]
-        prompt_lp = jax.lax.cond(
-            inputs.flags[FLAG_PROMPT_LOGPROBS],
-            lambda: prompt_logprobs_step(nnx.merge(graphdef, params), out.hidden, targets, kernels, sharder),
-            lambda: PromptLogprobs.zeros(shape.tokens))
+        prompt_lp = maybe_prompt_logprobs(graphdef, params, out, slots, inputs.flags, kernels, sharder)
     slots, sampled = sample_step(logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask,
                                  inputs.flags, inputs.disallowed)
     return kv, slots, sampled, prompt_lp
+
+
+def maybe_prompt_logprobs(graphdef, params, out: ModelOutputs, slots: SlotState, flags: jax.Array, kernels: Kernels,
+                          sharder: Sharder | None) -> PromptLogprobs:
+    targets = slots.tokens[out.token_slots, out.positions + 1]
+    return jax.lax.cond(
+        flags[FLAG_PROMPT_LOGPROBS],
+        lambda: prompt_logprobs_step(nnx.merge(graphdef, params), out.hidden, targets, kernels, sharder),
+        lambda: PromptLogprobs.zeros(out.hidden.shape[0]))
+
+
+def verify_step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, drafts: DraftInputs, *,
+                shape: StepShape, page_size: int, kernels: Kernels, sharder: Sharder | None = None
+                ) -> tuple[KVCache, SlotState, VerifyOutput, PromptLogprobs]:
+    """A step whose rows may carry proposals (speculative decoding; the ragged prefill family with logits at K + 1
+    tokens per row): the proposals go into the token buffer, the forward pass runs, and the sampler accepts or
+    rejects them on device (jaxserve.engine.sampler.verify). Row s's sampled tokens go at positions
+    context_lens[s] - counts[s] + j, j = 0..K; only the accepted ones and the next are written to its history."""
+    num_seqs, k = drafts.tokens.shape
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    positions = inputs.context_lens[:, None] - drafts.counts[:, None] + j  # [S, K + 1]
+    history = slots.tokens.shape[1]
+    proposal_at = jnp.where(j[:, :k] < drafts.counts[:, None], positions[:, :k], history)
+    tokens = slots.tokens.at[inputs.row_slots[:, None], proposal_at].set(drafts.tokens, mode="drop")
+    rows = jnp.clip(inputs.query_start[1:, None] - 1 - drafts.counts[:, None] + j, 0, shape.tokens - 1)
+    kv, out = model_step(graphdef, params, kv, tokens, inputs, shape=shape, page_size=page_size, kernels=kernels,
+                         logit_rows=rows.reshape(-1))
+    slots = dataclasses.replace(slots, tokens=tokens)
+    logits = gather_logits(out.logits, sharder).reshape(num_seqs, k + 1, -1)
+    prompt_lp = maybe_prompt_logprobs(graphdef, params, out, slots, inputs.flags, kernels, sharder)
+    sampled = verify(logits, slots, inputs.row_slots, positions, drafts.tokens, drafts.counts, inputs.flags)
+    keep = inputs.sample_mask[:, None] & (j <= sampled.num_accepted[:, None])
+    tokens = slots.tokens.at[inputs.row_slots[:, None], jnp.where(keep, positions, history)].set(
+        sampled.tokens, mode="drop")
+    return kv, dataclasses.replace(slots, tokens=tokens), sampled, prompt_lp
 
 
 @dataclasses.dataclass
@@ -165,7 +207,7 @@ class PendingStep:
 
     plan: StepPlan
     shape: StepShape
-    sampled: SampleOutput
+    sampled: SampleOutput | VerifyOutput  # VerifyOutput for verify shapes
     prompt_logprobs: PromptLogprobs | None
     flags: SamplingFlags
     dispatched_at: float
@@ -187,6 +229,8 @@ class ModelRunner:
 
     def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, kernels: Kernels,
                  compiler_options: dict | None = None, sharder: Sharder | None = None):
+        """`buckets.num_speculative_tokens` > 0 adds the verify family (speculative decoding): the prefill
+        shapes again, each with K proposals per row, logits at K + 1 tokens per row and acceptance on device."""
         self.sharder = sharder or Sharder(single_device_mesh(), RULES)
         self.replicated = self.sharder.replicated  # slots, step inputs and every output but the cache
         self.mirror = None  # multi-host leader: jaxserve.engine.multihost.StepMirror, told each device call first
@@ -240,12 +284,19 @@ class ModelRunner:
                 table[key] = future.result()
 
     def _lower_step(self, shape: StepShape):
-        fn = functools.partial(step, self.graphdef, shape=shape, page_size=self.page_size, kernels=self.kernels,
-                               sharder=self.sharder)
+        verifying = shape.kind == "verify"
+        fn = functools.partial(verify_step if verifying else step, self.graphdef, shape=shape,
+                               page_size=self.page_size, kernels=self.kernels, sharder=self.sharder)
         kv_shardings = jax.tree.map(lambda x: x.sharding, self.kv)
         r = self.replicated
-        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(
-            self.params, self.kv, self.slots, self.abstract_inputs(shape))
+        args = (self.params, self.kv, self.slots, self.abstract_inputs(shape))
+        if verifying:
+            args += (self.abstract_drafts(shape),)
+        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(*args)
+
+    def abstract_drafts(self, shape: StepShape) -> DraftInputs:
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=self.replicated)
+        return DraftInputs(i32((shape.seqs, self.buckets.num_speculative_tokens)), i32((shape.seqs,)))
 
     def abstract_inputs(self, shape: StepShape) -> StepInputs:
         s, p = shape.seqs, shape.pages
@@ -267,6 +318,8 @@ class ModelRunner:
 
     def shape_for(self, plan: StepPlan, prompt_logprobs: bool = False) -> StepShape:
         max_pages = max(len(row.pages) for row in plan.seqs)
+        if plan.is_verify:
+            return self.buckets.verify_shape(plan.num_tokens, len(plan.seqs), max_pages)
         if plan.is_decode and not prompt_logprobs:
             return self.buckets.decode_shape(len(plan.seqs), max_pages)
         return self.buckets.prefill_shape(plan.num_tokens, len(plan.seqs), max_pages)
@@ -275,13 +328,16 @@ class ModelRunner:
         """Starts the step on the device and returns at once (JAX dispatch is asynchronous). `disallowed`: the
         structured-output bitmask of the plan's rows ([rows, mask_words] int32), or None."""
         shape = self.shape_for(plan, flags.prompt_logprobs)
-        sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags, disallowed), flags.prompt_logprobs)
+        drafts = build_drafts(plan, shape, self.buckets.num_speculative_tokens) if shape.kind == "verify" else None
+        sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags, disallowed), flags.prompt_logprobs,
+                                      drafts)
         return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
 
-    def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool
-            ) -> tuple[SampleOutput, PromptLogprobs | None]:
+    def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool, drafts: DraftInputs | None = None
+            ) -> tuple[SampleOutput | VerifyOutput, PromptLogprobs | None]:
         """The step's executable on padded inputs (a multi-host follower calls this with the leader's). Prompt
-        logprobs are computed when inputs.flags asks for them; `prompt_logprobs` says whether to hand them back."""
+        logprobs are computed when inputs.flags asks for them; `prompt_logprobs` says whether to hand them back.
+        Verify shapes take the step's proposals too."""
         executable = self.executables.get(shape)
         if executable is None:
             raise BucketError(f"{shape} is not in the compiled table")
@@ -289,7 +345,8 @@ class ModelRunner:
             self.mirror.step(shape, inputs, prompt_logprobs)
         if inputs.disallowed is None:
             inputs = dataclasses.replace(inputs, disallowed=self._no_constraint_mask(shape.seqs))
-        self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs)
+        extra = () if drafts is None else (drafts,)
+        self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs, *extra)
         return sampled, prompt_lp if prompt_logprobs else None
 
     def _no_constraint_mask(self, seqs: int) -> jax.Array:
@@ -321,3 +378,13 @@ def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags,
         disallowed = np.pad(disallowed, ((0, s - disallowed.shape[0]), (0, 0)))
         flags |= SamplingFlags.STRUCTURED
     return StepInputs(block_tables, context_lens, query_start, row_slots, sample_mask, flags.as_array(), disallowed)
+
+
+def build_drafts(plan: StepPlan, shape: StepShape, k: int) -> DraftInputs:
+    """The plan's proposals, padded to [S, K] (numpy, host side)."""
+    tokens = np.zeros((shape.seqs, k), np.int32)
+    counts = np.zeros(shape.seqs, np.int32)
+    for i, row in enumerate(plan.seqs):
+        counts[i] = row.num_draft_tokens
+        tokens[i, :counts[i]] = row.draft_token_ids
+    return DraftInputs(tokens, counts)

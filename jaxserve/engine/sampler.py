@@ -222,3 +222,88 @@ def _filter(scaled, state: SlotState, slots):
     num_keep = jnp.sum(keep & (rank < k[:, None]), axis=-1)
     threshold = jnp.take_along_axis(desc, (num_keep - 1)[:, None], axis=-1)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+# ---- speculative decoding: verifying proposals --------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyOutput:
+    """A verify step's rows: tokens[s, :num_accepted[s] + 1] are row s's new tokens (its accepted proposals, then
+    the target's token at the first rejection, or the bonus token after the last proposal)."""
+
+    tokens: jax.Array  # [S, K + 1] int32
+    num_accepted: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S, K + 1] float32: of each token under the target model
+    top_ids: jax.Array  # [S, K + 1, MAX_TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [S, K + 1, MAX_TOP_LOGPROBS] float32
+
+
+def verify(logits: jax.Array, state: SlotState, slots: jax.Array, positions: jax.Array, drafts: jax.Array,
+           num_drafts: jax.Array, flags: jax.Array, draft_probs: jax.Array | None = None) -> VerifyOutput:
+    """Exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023) of each row's proposals.
+
+    logits [S, K + 1, V]: the target's at a row's last K + 1 query tokens; positions [S, K + 1]: where the token
+    drawn from each would go; drafts [S, K]: row s's proposals are the first num_drafts[s]; draft_probs
+    [S, K, V]: the proposer's distributions q (None: point masses, as n-gram proposals are).
+
+    Each position's logits are processed as plain sampling processes them (bias, min_tokens, penalties over a
+    history holding the earlier proposals, temperature, top-k/p, min-p) into the target distribution p_i.
+    Proposal d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is
+    drawn from the residual max(0, p_i - q_i), normalised; after the last proposal the bonus token is drawn
+    from p. The tokens are then distributed exactly as the target's. Greedy rows accept while the proposal is
+    the argmax. A row without proposals draws exactly as `sample` would (same key, fold_in(seed, position)).
+    """
+    s, k1, vocab = logits.shape
+    row_slots, flat_positions = jnp.repeat(slots, k1), positions.reshape(-1)
+    raw = logits.reshape(-1, vocab)
+    processed = jax.lax.cond(flags[FLAG_BIAS], _apply_bias, lambda lg, *_: lg, raw, state, row_slots,
+                             flat_positions)
+    processed = jax.lax.cond(flags[FLAG_PENALTIES], _apply_penalties, lambda lg, *_: lg, processed, state,
+                             row_slots, flat_positions)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32).reshape(s, k1)
+    has_draft = jnp.arange(k1)[None, :] < num_drafts[:, None]  # [S, K + 1]: never at the bonus position
+    proposals = jnp.pad(drafts, ((0, 0), (0, 1)))
+    greedy_accept = proposals == greedy
+    if draft_probs is not None:
+        draft_probs = jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0))) * has_draft[..., None]
+    drawn, random_accept = jax.lax.cond(
+        flags[FLAG_RANDOM], _verify_random, lambda *_: (greedy, greedy_accept), processed, state, row_slots,
+        flat_positions, flags[FLAG_FILTERS], proposals, has_draft, draft_probs)
+    is_random = (state.temperature[slots] > 0)[:, None]
+    accept = jnp.where(is_random, random_accept, greedy_accept) & has_draft
+    num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
+    tokens = jnp.where(jnp.arange(k1)[None, :] < num_accepted[:, None], proposals, jnp.where(is_random, drawn, greedy))
+    flat = tokens.reshape(-1)
+    empty = SampleOutput(flat, jnp.zeros((s * k1,), jnp.float32), jnp.zeros((s * k1, MAX_TOP_LOGPROBS), jnp.int32),
+                         jnp.zeros((s * k1, MAX_TOP_LOGPROBS), jnp.float32))
+    lp = jax.lax.cond(flags[FLAG_LOGPROBS], lambda: _with_logprobs(raw, flat), lambda: empty)
+    return VerifyOutput(tokens, num_accepted, lp.logprobs.reshape(s, k1),
+                        lp.top_ids.reshape(s, k1, MAX_TOP_LOGPROBS), lp.top_logprobs.reshape(s, k1, MAX_TOP_LOGPROBS))
+
+
+def _verify_random(processed, state: SlotState, row_slots, positions, use_filters, proposals, has_draft,
+                   draft_probs):
+    """(token drawn from the residual, proposal accepted) at each [S, K + 1] position, for rows with temperature."""
+    shape, vocab = proposals.shape, processed.shape[1]
+    temperature = state.temperature[row_slots]
+    scaled = processed / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = jax.lax.cond(use_filters, _filter, lambda lg, *_: lg, scaled, state, row_slots)
+    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slots], positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    p = jax.nn.softmax(scaled, axis=-1)
+    d, proposed = proposals.reshape(-1), has_draft.reshape(-1)
+    p_d = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
+    if draft_probs is None:  # q is a point mass at d: accept with p(d); the residual is p without d
+        q_d = jnp.ones_like(p_d)
+        is_d = jnp.arange(vocab)[None, :] == d[:, None]
+        residual = jnp.where(proposed[:, None] & is_d, -jnp.inf, scaled)
+    else:
+        q = draft_probs.reshape(-1, vocab)
+        q_d = jnp.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+        excess = jnp.maximum(p - q, 0.0)
+        residual = jnp.where(excess > 0, jnp.log(jnp.where(excess > 0, excess, 1.0)), -jnp.inf)
+    no_residual = ~jnp.any(residual > -jnp.inf, axis=-1)  # p <= q everywhere (up to rounding): always accept
+    accept = (uniform * q_d < p_d) | no_residual
+    drawn = jnp.argmax(residual + gumbel, axis=-1).astype(jnp.int32)
+    return drawn.reshape(shape), accept.reshape(shape)

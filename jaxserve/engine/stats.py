@@ -196,8 +196,10 @@ class StepMeter:
         start, blocked = started
         self._clocks[pending.plan.step_id].fetched(start, time.perf_counter(), blocked)
 
-    def step_finished(self, pending) -> StepRecord:
-        """Records the step whose results were just read; returns its (frozen) record."""
+    def step_finished(self, pending, generated: int | None = None) -> StepRecord:
+        """Records the step whose results were just read; returns its (frozen) record. `generated`: the tokens
+        it produced, when rows can produce several (a verify step's accepted proposals); else one per sampling
+        row."""
         clock = self._clocks.pop(pending.plan.step_id)
         rows, window = pending.plan.seqs, self._sliding_window
         sampled = context = pairs = 0
@@ -210,7 +212,7 @@ class StepMeter:
                 pairs += attention_work(row.context_len, row.num_new_tokens, window)
         return self.stats.record(StepRecord(
             pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at, time.perf_counter(), clock.waited,
-            sampled_tokens=sampled, context_tokens=context, attended_pairs=pairs,
+            sampled_tokens=sampled if generated is None else generated, context_tokens=context, attended_pairs=pairs,
             dispatch_started=clock.dispatch_started, ready_at=clock.ready_at, end_exact=clock.end is not None,
             page_stall=pending.plan.waiting_for_pages))
 
@@ -239,5 +241,5 @@ class NullMeter:
     def fetch_done(self, pending, started) -> None:
         pass
 
-    def step_finished(self, pending) -> None:
+    def step_finished(self, pending, generated: int | None = None) -> None:
         return None

@@ -14,6 +14,18 @@ recomputed later. Nothing is admitted in a step that preempted.
 
 The plan goes to the engine; `update()` takes the step's sampled tokens back. The engine may dispatch the next
 plan before the previous result is back (one step ahead), so sampled tokens can be "pending" for a while.
+
+Speculative decoding (a `proposer` and num_speculative_tokens K > 0): a decoding sequence whose tokens are all
+back on the host gets up to K proposed tokens and runs K + 1 query tokens (its last token + the proposals):
+
+    before        token_ids = t[0..L-1], num_computed = L - 1
+    step          queries at positions L-1 .. L-1+k (pages for L + k tokens), context_len = L + k
+    in flight     num_computed = L, one pending token, num_speculated = k: not scheduled until it is back
+    update        a accepted proposals + 1 token from the target: token_ids += a + 1, num_computed = L + a;
+                  the K/V written for rejected proposals is overwritten later, pages past the need go back
+
+While speculation is on for a step (at most speculative_disable_batch_size running sequences), decoding
+sequences wait for their pending tokens rather than run one step ahead: a proposal needs the newest token.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     page_size: int
+    num_speculative_tokens: int = 0  # K: proposals per speculating sequence and step (0: no speculation)
+    speculative_disable_batch_size: int | None = None  # no speculation with more running sequences
 
     @property
     def num_slots(self) -> int:
@@ -57,6 +71,11 @@ class ScheduledSequence:
     sample: bool  # this chunk ends at the sequence's last token: the step samples its next token
     pages: tuple[int, ...]  # the sequence's pages (its block-table row)
     prompt_logprobs: bool  # score this chunk's prompt tokens
+    draft_token_ids: tuple[int, ...] = ()  # proposals: the last num_draft_tokens query tokens (verify rows)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +105,11 @@ class StepPlan:
         return all(s.num_new_tokens == 1 and s.sample for s in self.seqs)
 
     @property
+    def is_verify(self) -> bool:
+        """Some row carries proposals: the step samples at each of their positions and accepts on device."""
+        return any(s.draft_token_ids for s in self.seqs)
+
+    @property
     def is_empty(self) -> bool:
         return not self.seqs
 
@@ -101,11 +125,12 @@ class SampledToken:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceUpdate:
-    """What update() did to a sequence: a new token, and its finish if that token ended it."""
+    """What update() did to a sequence: its new tokens (one, or accepted proposals + one on a verify step; none
+    past the one that ended it), and its finish if a token ended it."""
 
     request_id: str
     index: int
-    token: SampledToken
+    tokens: tuple[SampledToken, ...]
     finish_reason: str | None = None
     stop_reason: int | None = None
 
@@ -114,10 +139,34 @@ class SequenceUpdate:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass
+class SpeculationCounts:
+    """Verify rows applied since start-up (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # rows that carried proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [i]: proposal i accepted
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
 class Scheduler:
+    """`proposer` (speculative decoding, see the module docstring): `propose(seq, k) -> tuple[int, ...]`, up to k
+    tokens to follow seq.token_ids, e.g. jaxserve.spec.ngram.NgramProposer."""
+
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, eos_token_ids: Iterable[int] = (),
-                 clock=time.monotonic, seed: int = 0):
+                 clock=time.monotonic, seed: int = 0, proposer=None):
         self.config = config
+        self.proposer = proposer if config.num_speculative_tokens > 0 else None
+        self.speculation = SpeculationCounts()
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
@@ -235,13 +284,21 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: dict[int, ScheduledSequence] = {}
         new_slots: list[SlotAssignment] = []
-        preempted = self._schedule_running(budget, scheduled)
+        preempted = self._schedule_running(budget, scheduled, self.speculating)
         out_of_pages = preempted or self._schedule_waiting(budget, scheduled, new_slots)
         plan_seqs = tuple(scheduled.values())
         return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs),
                         out_of_pages)
 
-    def _schedule_running(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence]) -> bool:
+    @property
+    def speculating(self) -> bool:
+        """The next step proposes tokens (a proposer, and at most speculative_disable_batch_size running
+        sequences): the engine reads every result back before planning it."""
+        limit = self.config.speculative_disable_batch_size
+        return self.proposer is not None and (limit is None or len(self.running) <= limit)
+
+    def _schedule_running(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence],
+                          speculating: bool = False) -> bool:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
         preempted = False
@@ -252,7 +309,10 @@ class Scheduler:
                 continue  # its pending token is its last one
             if seq.num_pending_tokens and seq.params.structured_outputs is not None:
                 continue  # its grammar needs that token before the next mask (jaxserve.structured.matchers)
-            num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+            if seq.num_speculated or (speculating and seq.num_pending_tokens):
+                continue  # how many tokens its verify step accepts, or the token a proposal needs, is not back
+            drafts = self._propose(seq, budget) if speculating and seq.num_uncomputed_tokens == 1 else ()
+            num_new = min(seq.num_uncomputed_tokens, budget.tokens) + len(drafts)
             while not self._grow_pages(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 victim = self._pick_victim(scheduled)
@@ -260,8 +320,14 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                scheduled[seq.seq_id] = self._advance(seq, num_new, budget)
+                scheduled[seq.seq_id] = self._advance(seq, num_new, budget, drafts)
         return preempted
+
+    def _propose(self, seq: Sequence, budget: "_Budget") -> tuple[int, ...]:
+        """Proposals for a decoding sequence: at most K, at most what the budget leaves beside its own token, and
+        never more than max_len allows (a + 1 new tokens for a accepted proposals)."""
+        k = min(self.config.num_speculative_tokens, budget.tokens - 1, seq.max_len - seq.num_tokens - 1)
+        return tuple(self.proposer.propose(seq, k))[:k] if k > 0 else ()
 
     def _schedule_waiting(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence],
                           new_slots: list[SlotAssignment]) -> bool:
@@ -299,17 +365,23 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def _advance(self, seq: Sequence, num_new: int, budget: "_Budget") -> ScheduledSequence:
+    def _advance(self, seq: Sequence, num_new: int, budget: "_Budget",
+                 drafts: tuple[int, ...] = ()) -> ScheduledSequence:
+        """Spends the budget on the sequence's next num_new query tokens; with proposals (the last len(drafts) of
+        them), only its own token counts as computed until the verify step's result is back."""
         budget.spend(num_new)
-        seq.num_computed_tokens += num_new
+        seq.num_computed_tokens += num_new - len(drafts)
+        seq.num_speculated = len(drafts)
         sample = seq.num_computed_tokens == seq.num_tokens
         if sample:
             seq.num_pending_tokens += 1
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             self._release_forks(seq)
-        prompt_logprobs = seq.wants_prompt_logprobs and seq.num_computed_tokens - num_new < seq.num_prompt_tokens
+        first = seq.num_computed_tokens - (num_new - len(drafts))  # position of the chunk's first token
+        prompt_logprobs = seq.wants_prompt_logprobs and first < seq.num_prompt_tokens
         return ScheduledSequence(seq.seq_id, seq.request_id, seq.index, seq.params, seq.slot, num_new,
-                                 seq.num_computed_tokens, sample, tuple(seq.pages), prompt_logprobs)
+                                 seq.num_computed_tokens + len(drafts), sample, tuple(seq.pages), prompt_logprobs,
+                                 drafts)
 
     def _release_forks(self, leader: Sequence) -> None:
         """Siblings of a request share the leader's full prompt pages and recompute only the remainder."""
@@ -368,24 +440,52 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=Sequence.queue_key)
 
     # ---- results --------------------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, tokens: Seq[SampledToken | None]) -> list[SequenceUpdate]:
-        """Takes a step's results (one per plan row; None for rows that did not sample) and applies them."""
+    def update(self, plan: StepPlan, tokens: Seq[SampledToken | tuple[SampledToken, ...] | None]
+               ) -> list[SequenceUpdate]:
+        """Takes a step's results (one per plan row: a token, or for a verify row its accepted proposals and the
+        target's next token; None for rows that did not sample) and applies them."""
         updates = []
-        for row, token in zip(plan.seqs, tokens):
+        for row, result in zip(plan.seqs, tokens):
             if not row.sample:
                 continue
+            results = result if isinstance(result, tuple) else (result,)
+            if row.draft_token_ids:
+                self.speculation.add(row.num_draft_tokens, len(results) - 1)
             seq = self.sequences.get(row.seq_id)
             if seq is None or seq.is_finished:
-                continue  # finished or aborted after this step was dispatched: the extra token is dropped
+                continue  # finished or aborted after this step was dispatched: the extra tokens are dropped
             seq.num_pending_tokens -= 1
-            seq.token_ids.append(token.token_id)
-            reason = self._stop_reason(seq, token.token_id)
+            added, reason = self._append(seq, results)
+            if row.draft_token_ids:
+                self._settle_speculation(seq, len(added) - 1)
             if reason is not None:
                 self.finish(seq, *reason)
             elif seq.status is SequenceStatus.RUNNING:
                 self._register_full_pages(seq)
-            updates.append(SequenceUpdate(seq.request_id, seq.index, token, seq.finish_reason, seq.stop_reason))
+            updates.append(SequenceUpdate(seq.request_id, seq.index, added, seq.finish_reason, seq.stop_reason))
         return updates
+
+    def _append(self, seq: Sequence, results: tuple[SampledToken, ...]
+                ) -> tuple[tuple[SampledToken, ...], tuple[str, int | None] | None]:
+        """Appends tokens up to the first that ends the sequence; returns those and the reason it ended."""
+        for i, token in enumerate(results):
+            seq.token_ids.append(token.token_id)
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                return results[:i + 1], reason
+        return results, None
+
+    def _settle_speculation(self, seq: Sequence, num_accepted: int) -> None:
+        """A verify step is back: the K/V of the accepted proposals count as computed, pages past what the
+        sequence's next token needs go back (they hold only rejected proposals)."""
+        seq.num_speculated = 0
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # preempted meanwhile: it recomputes everything
+        seq.num_computed_tokens += num_accepted
+        needed = -(-(seq.num_computed_tokens + 1) // self.config.page_size)
+        if len(seq.pages) > needed:
+            self.allocator.free(seq.pages[needed:])
+            del seq.pages[needed:]
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
         """EOS and stop tokens end a sequence only after min_tokens outputs (the sampler masks them before)."""

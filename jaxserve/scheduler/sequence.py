@@ -39,6 +39,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
+    num_speculated: int = 0  # proposals of the verify step in flight (how many it accepts is not back yet)
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full pages of token_ids
     num_registered_pages: int = 0  # pages[:k] are in the prefix cache index

@@ -185,6 +185,10 @@ class ServerMetrics:
             "waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
             "preemptions": stats.num_preemptions,
+            "spec_decode": {"drafts": stats.spec_decode.num_drafts, "draft_tokens": stats.spec_decode.num_draft_tokens,
+                            "accepted_tokens": stats.spec_decode.num_accepted_tokens,
+                            "acceptance_rate": stats.spec_decode.acceptance_rate,
+                            "mean_accepted_length": stats.spec_decode.mean_accepted_length},
             "bottleneck": {"window_seconds": self.monitor.window_seconds, **report.as_dict()},
             "ceilings": {"device": ceilings.device_kind, "bandwidth": ceilings.bandwidth, "flops": ceilings.flops,
                          "dtype": ceilings.dtype, "source": ceilings.source,
@@ -242,6 +246,7 @@ class EngineStateCollector:
         yield _counter("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                        stats.prefix_cache_hits, labels)
         yield from self._step_counters(stats, labels)
+        yield from _spec_decode_counters(stats.spec_decode, labels)
         yield from self._bottleneck(labels)
 
     def _cache_config_info(self, labels):
@@ -307,6 +312,20 @@ class EngineStateCollector:
 
     def describe(self):
         return []
+
+
+def _spec_decode_counters(spec, labels):
+    """Speculative decoding, with vLLM's names (docs/metrics.md); all zero when it is off."""
+    yield _counter("jaxserve:spec_decode_num_drafts", "Verify rows that carried proposals.", spec.num_drafts, labels)
+    yield _counter("jaxserve:spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens, labels)
+    yield _counter("jaxserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens,
+                   labels)
+    per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, "
+                                       "by position among a row's proposals (0 = first).",
+                                       labels=["model_name", "position"])
+    for position, count in enumerate(spec.accepted_per_position):
+        per_position.add_metric([*labels, str(position)], count)
+    yield per_position
 
 
 def _gauge(name: str, documentation: str, value: float, labels: list[str]) -> GaugeMetricFamily:
