@@ -206,6 +206,10 @@ class EngineConfig:
     num_processes: int | None = None  # multi-host: processes (hosts) in the run
     process_id: int | None = None  # multi-host: this process's rank, 0..num_processes-1 (0 serves and schedules)
     generation_config: str = "auto"  # auto | vllm | a folder: where requests' default sampling comes from
+    enable_lora: bool = False  # serve LoRA adapters (PEFT directories) beside the base model, mixed in one batch
+    lora_modules: tuple[str, ...] = dataclasses.field(default=(), metadata={"nargs": "+"})  # adapters loaded at start-up: NAME=DIR ... (or JSON {"name": ..., "path": ...}); requests pick one with `model`
+    max_loras: int = 1  # adapters on the device at once (slots); requests for others wait for a free slot
+    max_lora_rank: int = 16  # largest adapter rank the slots hold (adapters of lower rank are zero-padded)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is not None:

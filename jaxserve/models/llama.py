@@ -18,7 +18,6 @@ biases stay float.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -114,14 +113,21 @@ class DecoderLayers(nnx.Module):
             key = rngs.params() if rngs is not None else None
             setattr(self, name, _weight(spec, weight_scheme(f"layers/{name}", spec, cfg), dtype, key, stacked=1))
 
-    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA):
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA, lora_mask=None):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
-        and `aux` (the updated cache, for the paged path) is handed back to the caller."""
-        dense = functools.partial(_dense, kernels=kernels)
+        and `aux` (the updated cache, for the paged path) is handed back to the caller. With adapter slots
+        attached (jaxserve.lora.weights), lora_mask [..., T, slots] selects each token's adapter."""
+
+        def dense(inputs, name: str, spec: str):
+            out = _dense(inputs, getattr(self, name), spec, kernels=kernels)
+            if lora_mask is None:
+                return out
+            return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
+
         h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
-        q = dense(h, self.wq, "...te,ehd->...thd")
-        k = dense(h, self.wk, "...te,ehd->...thd")
-        v = dense(h, self.wv, "...te,ehd->...thd")
+        q = dense(h, "wq", "...te,ehd->...thd")
+        k = dense(h, "wk", "...te,ehd->...thd")
+        v = dense(h, "wv", "...te,ehd->...thd")
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if cfg.qk_norm:
@@ -129,11 +135,11 @@ class DecoderLayers(nnx.Module):
             k = layers.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
         attn, aux = attend(q, k, v)
-        x = x + dense(attn, self.wo, "...thd,hde->...te")
+        x = x + dense(attn, "wo", "...thd,hde->...te")
         h = layers.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate = dense(h, self.w_gate, "...te,ef->...tf")
-        up = dense(h, self.w_up, "...te,ef->...tf")
-        return x + dense(jax.nn.silu(gate) * up, self.w_down, "...tf,fe->...te"), aux
+        gate = dense(h, "w_gate", "...te,ef->...tf")
+        up = dense(h, "w_up", "...te,ef->...tf")
+        return x + dense(jax.nn.silu(gate) * up, "w_down", "...tf,fe->...te"), aux
 
 
 class Llama(nnx.Module):
@@ -155,11 +161,13 @@ class Llama(nnx.Module):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                 kernels: Kernels = XLA) -> tuple[jax.Array, KVCache]:
-        """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache."""
+                 kernels: Kernels = XLA, lora_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache.
+        lora_slots [T] int32: each token's adapter slot (0: none), when adapter slots are attached."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(meta.positions, x.dtype)
+        lora_mask = self._lora_mask(lora_slots, x.dtype)
 
         def one_layer(layer, carry, index):
             x, cache = carry
@@ -168,18 +176,26 @@ class Llama(nnx.Module):
                 return attend_paged(q, k, v, cache, index, meta, sliding_window=cfg.sliding_window,
                                     kernels=kernels)
 
-            return layer(x, cos, sin, attend, cfg, kernels)
+            return layer(x, cos, sin, attend, cfg, kernels, lora_mask)
 
         return self._scan_layers(one_layer, (x, cache))
 
-    def forward_dense(self, tokens: jax.Array, kernels: Kernels = XLA, kv_cache_dtype=None) -> jax.Array:
+    def _lora_mask(self, lora_slots: jax.Array | None, dtype) -> jax.Array | None:
+        if lora_slots is None or not hasattr(self.layers, "lora"):
+            return None
+        return self.layers.lora.token_mask(lora_slots, dtype)
+
+    def forward_dense(self, tokens: jax.Array, kernels: Kernels = XLA, kv_cache_dtype=None,
+                      lora_slots: jax.Array | None = None) -> jax.Array:
         """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal.
 
         kv_cache_dtype (int8 / float8_e4m3fn) rounds K and V as a quantized paged cache stores them (per token,
-        before attention), so scoring here gives what the engine computes with that cache."""
+        before attention), so scoring here gives what the engine computes with that cache. lora_slots [B, T]:
+        each token's adapter slot, as in __call__."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
+        lora_mask = self._lora_mask(lora_slots, x.dtype)
 
         def dense_attention(q, k, v):
             if kv_cache_dtype is not None:
@@ -187,7 +203,7 @@ class Llama(nnx.Module):
             return jax.vmap(lambda *qkv: reference_attention(*qkv, sliding_window=cfg.sliding_window))(q, k, v)
 
         def one_layer(layer, x, index):
-            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, kernels)[0]
+            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, kernels, lora_mask)[0]
 
         return self.logits(self._scan_layers(one_layer, x), kernels)
 
