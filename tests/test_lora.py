@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
-from jaxserve.engine.engine import LLMEngine, LoraInUseError
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.lora.registry import LoraInUseError
 from jaxserve.kv.allocator import page_hashes
 from jaxserve.lora import LoRARequest
 from jaxserve.lora.adapter import LoraError, read_adapter

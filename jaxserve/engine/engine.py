@@ -40,7 +40,7 @@ from jaxserve.kv.cache import KVCache
 from jaxserve.lora import LoRARequest
 from jaxserve.lora import weights as lora_weights
 from jaxserve.lora.adapter import LoraError, read_adapter
-from jaxserve.lora.registry import AdapterRegistry, LoraInfo, parse_lora_module
+from jaxserve.lora.registry import AdapterRegistry, LoraInfo, LoraInUseError, parse_lora_module
 from jaxserve.lora.slots import AdapterSlots
 from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama, numpy_dtype
@@ -54,10 +54,6 @@ from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Sched
 from jaxserve.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
-
-
-class LoraInUseError(RuntimeError):
-    """An adapter cannot be unloaded while requests run or wait with it."""
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:

@@ -29,6 +29,7 @@ from jaxserve.engine.client import EngineDeadError, QueueFullError
 from jaxserve.engine.engine import EngineCore, LLMEngine
 from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats, StepOutputs
 from jaxserve.engine.multihost import follow_if_follower
+from jaxserve.lora.adapter import LoraError
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import MeshError, make_mesh, replica_meshes
 from jaxserve.parallel.multihost import initialize
@@ -153,6 +154,15 @@ class ReplicaRouter:
     def stats(self) -> SchedulerStats:
         return SchedulerStats.combine([r.stats() for r in self.replicas])
 
+    def loras(self) -> tuple:
+        return ()  # LoRA runs on one engine (EngineCore refuses --enable-lora with data parallelism)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise LoraError("LoRA adapters are not served with --data-parallel-size > 1")
+
+    async def unload_lora(self, name: str) -> None:
+        raise KeyError(name)
+
     @property
     def monitor(self):
         """The replicas' shared monitor (every replica's step records)."""
@@ -173,7 +183,7 @@ class ReplicaRouter:
 
     async def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
                           priority: int = 0, prompt_text: str | None = None,
-                          kind: OutputKind = OutputKind.DELTA) -> "RoutedStream":
+                          kind: OutputKind = OutputKind.DELTA, lora_name: str | None = None) -> "RoutedStream":
         """Routes to the least-loaded replica; raises as AsyncEngine.add_request does (QueueFullError against the
         shared limit: every replica's waiting requests together)."""
         self._admit()
@@ -182,7 +192,7 @@ class ReplicaRouter:
         self._replica_of[request_id] = index
         try:
             stream = await self.replicas[index].add_request(request_id, prompt, params, priority=priority,
-                                                            prompt_text=prompt_text, kind=kind)
+                                                            prompt_text=prompt_text, kind=kind, lora_name=lora_name)
         except BaseException:
             self._release(request_id)
             raise

@@ -13,6 +13,10 @@ import itertools
 from jaxserve.lora.adapter import Adapter, LoraError
 
 
+class LoraInUseError(RuntimeError):
+    """An adapter cannot be unloaded while requests run or wait with it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraInfo:
     """What a front end may know of a loaded adapter (for /v1/models)."""

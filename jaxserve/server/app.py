@@ -2,6 +2,7 @@
 
     POST /v1/completions        completions.py        GET /v1/models     the served model
     POST /v1/chat/completions   chat.py               GET /health        200 while the engine runs, else 503
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter  lora.py (with --allow-runtime-lora-updating)
     POST /tokenize              text/messages -> ids  GET /metrics       Prometheus (metrics.py)
     POST /detokenize            ids -> text           GET /openapi.json  openapi.py
                                                       GET /dashboard     live plots (dashboard.py), polling
@@ -24,6 +25,7 @@ from jaxserve.server.completions import create_completion
 from jaxserve.server.dashboard import dashboard, dashboard_data
 from jaxserve.server.errors import APIError, bad_request, internal_error
 from jaxserve.server.generation import check_model, read_json, run_tokenizer
+from jaxserve.server.lora import adapter_models, load_lora_adapter, unload_lora_adapter
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.middleware import Gatekeeper, RequestContext
 from jaxserve.server.openapi import openapi_document
@@ -38,7 +40,7 @@ async def list_models(request: Request) -> Response:
     models = [{"id": name, "object": "model", "created": server.created, "owned_by": "jaxserve",
                "root": server.root, "parent": None, "max_model_len": server.max_model_len}
               for name in server.model_names]
-    return JSONResponse({"object": "list", "data": models})
+    return JSONResponse({"object": "list", "data": models + adapter_models(server)})
 
 
 async def health(request: Request) -> Response:
@@ -94,6 +96,8 @@ ROUTES = (
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     Route("/tokenize", tokenize_route, methods=["POST"]),
     Route("/detokenize", detokenize_route, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

@@ -17,6 +17,7 @@ from jaxserve.server.config import ServerConfig
 
 DEFAULT_MODEL = "checkpoints/demo"
 API_KEY_ENV = "JAXSERVE_API_KEY"
+RUNTIME_LORA_ENV = ("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 log = logging.getLogger("jaxserve.server")
@@ -31,7 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return config_from_args(ServerConfig, args, api_key=args.api_key or env_str(API_KEY_ENV) or None)
+    runtime_lora = args.allow_runtime_lora_updating or any(
+        (env_str(name) or "").lower() in ("1", "true") for name in RUNTIME_LORA_ENV)
+    return config_from_args(ServerConfig, args, api_key=args.api_key or env_str(API_KEY_ENV) or None,
+                            allow_runtime_lora_updating=runtime_lora)
 
 
 def model_dir(args: argparse.Namespace) -> Path:

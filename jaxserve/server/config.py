@@ -18,6 +18,7 @@ class ServerConfig:
     drain_timeout: float = 300.0  # on SIGTERM: seconds in-flight requests may take to finish before exit
     log_level: str = "info"  # debug | info | warning | error | critical
     access_log: bool = True  # one line per request, with its X-Request-Id
+    allow_runtime_lora_updating: bool = False  # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; also $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING or $VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)
 
     def replace(self, **changes) -> "ServerConfig":
         return dataclasses.replace(self, **changes)

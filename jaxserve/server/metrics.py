@@ -93,9 +93,9 @@ class ServerMetrics:
                                                    registry=self.registry)
 
     # ---- events -------------------------------------------------------------------------------------------------
-    def observe_finished(self, output: RequestOutput) -> None:
-        """A request's final output (every sample finished)."""
-        name = self.model_name
+    def observe_finished(self, output: RequestOutput, model_name: str | None = None) -> None:
+        """A request's final output (every sample finished); `model_name`: the LoRA adapter it ran with."""
+        name = model_name or self.model_name
         generated = sum(sample.num_tokens for sample in output.outputs)
         self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(name).inc(generated)
@@ -103,10 +103,10 @@ class ServerMetrics:
         self.request_generation_tokens.labels(name).observe(generated)
         for sample in output.outputs:
             self.request_success.labels(name, sample.finish_reason or "abort").inc()
-        self._observe_latencies(output)
+        self._observe_latencies(output, name)
 
-    def _observe_latencies(self, output: RequestOutput) -> None:
-        m, name = output.metrics, self.model_name
+    def _observe_latencies(self, output: RequestOutput, name: str) -> None:
+        m = output.metrics
         if m is None or m.first_token_time is None:
             return
         times = request_times(output)
