@@ -210,6 +210,7 @@ class EngineConfig:
     lora_modules: tuple[str, ...] = dataclasses.field(default=(), metadata={"nargs": "+"})  # adapters loaded at start-up: NAME=DIR ... (or JSON {"name": ..., "path": ...}); requests pick one with `model`
     max_loras: int = 1  # adapters on the device at once (slots); requests for others wait for a free slot
     max_lora_rank: int = 16  # largest adapter rank the slots hold (adapters of lower rank are zero-padded)
+    merge_lora: bool = False  # merge the one --lora-modules adapter into the base weights at load (base-model speed; every request then runs with it, under either name)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is not None:

@@ -261,3 +261,20 @@ def test_unload_refuses_while_in_use_and_reload_gets_fresh_pages(engine, adapter
 def test_lora_requests_need_enable_lora(model, adapter_dirs):
     with pytest.raises(ConfigError, match="needs --enable-lora"):
         LLMEngine(model, ENGINE.replace(enable_lora=False, lora_modules=("a=/x",)), show_progress=False)
+
+
+def test_merged_mode_serves_the_adapter_at_base_speed(model, adapter_dirs, reference):
+    """--merge-lora: the one adapter merged into the weights at load; requests name it or the base alike."""
+    config = ENGINE.replace(enable_lora=False, merge_lora=True, lora_modules=(f"chat={adapter_dirs['chat']}",),
+                            max_num_seqs=2, decode_buckets=(2,), prefill_token_buckets=(64,))
+    merged = LLMEngine(model, config, show_progress=False)
+    assert [info.name for info in merged.core.lora_infos()] == ["chat"]
+    assert "lora" not in merged.core.runner.params["layers"]
+    prompt = list(range(7, 31))
+    merged.add_request("m", prompt, greedy(6), lora_request=LoRARequest("chat", 1, ""))
+    merged.add_request("b", prompt, greedy(6))
+    finals = {o.request_id: list(o.outputs[0].token_ids) for o in merged.run_until_done()}
+    assert finals == {"m": reference("chat", prompt, 6), "b": reference("chat", prompt, 6)}
+    assert list(reference(None, prompt, 6)) != finals["b"]  # the model it was built from is untouched
+    with pytest.raises(ConfigError, match="exactly one adapter"):
+        LLMEngine(model, config.replace(lora_modules=()), show_progress=False)

@@ -79,7 +79,7 @@ class EngineCore:
         self.kernels = Kernels.resolve(config.attention, config.matmul, self.kv_dtype)  # chosen once, here
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
-        model = place_model(self._with_adapter_slots(model), self.sharder)
+        model = place_model(self._with_adapters(model), self.sharder)
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
@@ -100,18 +100,22 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.page_size), allocator, eos,
                                    seed=config.seed, adapter_slots=self._adapter_slots)
-        for item in config.lora_modules:
+        for item in config.lora_modules if not config.merge_lora else ():
             self.add_lora(*parse_lora_module(item))
         self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
         self._in_flight: PendingStep | None = None
         host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
         self._log_ready()
 
-    def _with_adapter_slots(self, model: Llama) -> Llama:
-        """With --enable-lora: the model with empty adapter slots, an adapter registry and the slot manager."""
+    def _with_adapters(self, model: Llama) -> Llama:
+        """With --enable-lora: the model with empty adapter slots, an adapter registry and the slot manager.
+        With --merge-lora: the model with its one adapter merged into the weights."""
         config = self.config
         self.adapters = AdapterRegistry(config.max_lora_rank) if config.enable_lora else None
         self._adapter_slots = AdapterSlots(config.max_loras) if config.enable_lora else None
+        self.merged_adapter: LoraInfo | None = None
+        if config.merge_lora:
+            return self._merge_adapter(model)
         if not config.enable_lora:
             if config.lora_modules:
                 raise ConfigError("--lora-modules needs --enable-lora")
@@ -124,6 +128,20 @@ class EngineCore:
         if config.max_loras < 1:
             raise ConfigError(f"--max-loras must be at least 1, not {config.max_loras}")
         return lora_weights.attach(model, config.max_loras, config.max_lora_rank)
+
+    def _merge_adapter(self, model: Llama) -> Llama:
+        config = self.config
+        if config.enable_lora or len(config.lora_modules) != 1:
+            raise ConfigError("--merge-lora merges exactly one adapter: give one --lora-modules NAME=DIR, without "
+                              "--enable-lora (which serves adapters side by side instead)")
+        if model.cfg.quantization is not None:
+            raise ConfigError("--merge-lora needs float base weights; this checkpoint's projections are "
+                              f"{model.cfg.quantization}: serve the adapter with --enable-lora instead")
+        name, path = parse_lora_module(config.lora_modules[0])
+        adapter = read_adapter(path, model.cfg)
+        self.merged_adapter = LoraInfo(name, 0, str(path), adapter.rank, adapter.target_weights)
+        log.info("LoRA adapter %s (rank %d) merged into the base weights", name, adapter.rank)
+        return lora_weights.merge(model, adapter)
 
     def _log_ready(self) -> None:
         plan = self.kv_plan
@@ -228,11 +246,13 @@ class EngineCore:
         log.info("LoRA adapter %s unloaded", name)
 
     def lora_infos(self) -> tuple[LoraInfo, ...]:
+        if self.merged_adapter is not None:
+            return (self.merged_adapter,)
         return self.adapters.infos() if self.adapters is not None else ()
 
     def _adapter_id(self, name: str | None) -> int:
-        if name is None:
-            return 0
+        if name is None or (self.merged_adapter is not None and name == self.merged_adapter.name):
+            return 0  # the base model, or the adapter merged into it
         adapter_id = self.adapters.id_of(name) if self.adapters is not None else None
         if adapter_id is None:
             raise LoraError(f"the LoRA adapter {name!r} is not loaded")

@@ -95,6 +95,27 @@ def write_slot(factors: dict[str, jax.Array], slot: jax.Array, values: dict[str,
     return {k: w.at[:, slot].set(values[k].astype(w.dtype)) for k, w in factors.items()}
 
 
+def merge(model, adapter: Adapter):
+    """A copy of `model` whose float weights have the adapter merged in (W + scale * B @ A, on the device, one
+    weight at a time); `model` itself is left as it was."""
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    for name, (a, b) in adapter.weights.items():
+        param = getattr(copy.layers, name)  # replaced, not set: the copy's Variables may be the model's
+        setattr(copy.layers, name, nnx.Param(_merged(param[...], jnp.asarray(a), jnp.asarray(b)),
+                                             **param.get_metadata()))
+    return copy
+
+
+@jax.jit
+def _merged(w: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """w [layers, *in, *out] + a [layers, *in, r] @ b [layers, r, *out], accumulated in float32."""
+    flat_a = a.reshape(a.shape[0], -1, a.shape[-1])
+    flat_b = b.reshape(b.shape[0], b.shape[1], -1)
+    delta = jnp.einsum("lir,lro->lio", flat_a, flat_b, preferred_element_type=jnp.float32)
+    return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+
+
 def merged_weights(model, adapter: Adapter) -> dict[str, np.ndarray]:
     """W + scale * B @ A for every weight the adapter adapts, in jaxserve layout ([layers, *in, *out], float32):
     the reference the tests compare batched serving against, and what --merge-lora would load."""
