@@ -1,7 +1,7 @@
 """The adapters on the device: stacked factors, one slot per adapter, and the batched LoRA product.
 
-    {w}_a   [layers, max_loras + 1, *in,  max_rank]     w in wq, wk, wv, wo, w_gate, w_up, w_down
-    {w}_b   [layers, max_loras + 1, max_rank, *out]      (scale folded in; slot 0 and unused ranks are zeros)
+    {w}_a   [layers, *in, max_loras + 1, max_rank]      w in wq, wk, wv, wo, w_gate, w_up, w_down
+    {w}_b   [layers, max_loras + 1, max_rank, *out]     (scale folded in; slot 0 and unused ranks are zeros)
 
 The factors sit in the model beside the weights they adapt (`model.layers.lora`), so the layer scan slices them
 with the rest, the memory plan counts them before the KV cache, and tensor parallelism splits them like their base
@@ -9,10 +9,11 @@ projection: `a` keeps the weight's input axes, `b` its output axes (column-paral
 heads / mlp; row-parallel o/down split a, and GSPMD sums the partial products).
 
 Every token row carries its slot. A step computes the product for the whole mixed batch at once, against every
-slot, with each token's slot selected by a one-hot mask (XLA; no gathered copy of the factors):
+slot, with each token's slot selected by a one-hot mask (XLA; no gathered copy of the factors). The layouts make
+both products plain matrix products, [T, in] @ [in, S * r] and [T, S * r] @ [S * r, out] (no transposes):
 
-    xa    = einsum(x [T, *in], a [S, *in, r])        -> [T, S, r]
-    delta = einsum(xa * onehot(slot) [T, S, 1], b [S, r, *out])  -> [T, *out]
+    xa    = einsum(x [T, *in], a [*in, S, r])                      -> [T, S, r]
+    delta = einsum(xa * onehot(slot) [T, S, 1], b [S, r, *out])   -> [T, *out]
 
 Loading an adapter writes its slot in place (the arrays are donated); the shapes never change, so nothing
 recompiles when adapters come and go.
@@ -42,9 +43,9 @@ class LoraWeights(nnx.Module):
             in_dims, out_dims = weight_dims(cfg, name)
             axes = specs[name].axes[1:]
             in_axes, out_axes = axes[:len(in_dims)], axes[len(in_dims):]
-            shape_a = (cfg.num_layers, self.num_slots, *in_dims, max_rank)
+            shape_a = (cfg.num_layers, *in_dims, self.num_slots, max_rank)
             shape_b = (cfg.num_layers, self.num_slots, max_rank, *out_dims)
-            setattr(self, f"{name}_a", nnx.Param(jnp.zeros(shape_a, dtype), axes=("layers", None, *in_axes, None)))
+            setattr(self, f"{name}_a", nnx.Param(jnp.zeros(shape_a, dtype), axes=("layers", *in_axes, None, None)))
             setattr(self, f"{name}_b", nnx.Param(jnp.zeros(shape_b, dtype), axes=("layers", None, None, *out_axes)))
 
     def token_mask(self, slots: jax.Array, dtype) -> jax.Array:
@@ -58,9 +59,9 @@ class LoraWeights(nnx.Module):
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
-    """x [..., T, *in], a [S, *in, r], b [S, r, *out], mask [..., T, S] -> [..., T, *out] float32."""
+    """x [..., T, *in], a [*in, S, r], b [S, r, *out], mask [..., T, S] -> [..., T, *out] float32."""
     i, o = _IN[:a.ndim - 2], _OUT[:b.ndim - 2]
-    xa = jnp.einsum(f"...t{i},s{i}r->...tsr", x, a, preferred_element_type=jnp.float32)
+    xa = jnp.einsum(f"...t{i},{i}sr->...tsr", x, a, preferred_element_type=jnp.float32)
     xa = (xa * mask[..., None]).astype(b.dtype)
     return jnp.einsum(f"...tsr,sr{o}->...t{o}", xa, b, preferred_element_type=jnp.float32)
 
@@ -75,7 +76,8 @@ def attach(model, max_loras: int, max_rank: int):
 
 def slot_values(adapter: Adapter | None, cfg: ModelConfig, max_rank: int) -> dict[str, np.ndarray]:
     """What one slot holds for `adapter` (zeros for None and for the weights it does not adapt): {"wq_a":
-    [layers, *in, max_rank], "wq_b": [layers, max_rank, *out], ...} float32, ranks zero-padded."""
+    [layers, *in, max_rank], "wq_b": [layers, max_rank, *out], ...} float32, ranks zero-padded (write_slot puts
+    them at the slot axis of each stacked array)."""
     values = {}
     for name in WEIGHT_NAMES:
         in_dims, out_dims = weight_dims(cfg, name)
@@ -91,8 +93,10 @@ def slot_values(adapter: Adapter | None, cfg: ModelConfig, max_rank: int) -> dic
 
 def write_slot(factors: dict[str, jax.Array], slot: jax.Array, values: dict[str, jax.Array]
                ) -> dict[str, jax.Array]:
-    """factors[k][:, slot] = values[k] for every stacked array (jit with `factors` donated: in place)."""
-    return {k: w.at[:, slot].set(values[k].astype(w.dtype)) for k, w in factors.items()}
+    """factors[k][..., slot, :] (a) or [:, slot] (b) = values[k] for every stacked array (jit with `factors`
+    donated: in place)."""
+    return {k: (w.at[..., slot, :] if k.endswith("_a") else w.at[:, slot]).set(values[k].astype(w.dtype))
+            for k, w in factors.items()}
 
 
 def merge(model, adapter: Adapter):
