@@ -278,3 +278,25 @@ def test_merged_mode_serves_the_adapter_at_base_speed(model, adapter_dirs, refer
     assert list(reference(None, prompt, 6)) != finals["b"]  # the model it was built from is untouched
     with pytest.raises(ConfigError, match="exactly one adapter"):
         LLMEngine(model, config.replace(lora_modules=()), show_progress=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_lora_equals_one_device():
+    """A/B split like their base projection (column-parallel: b on heads / mlp; row-parallel: a on the inputs'
+    heads / mlp), and a mixed batch gives the one-device tokens on 4 devices."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "lora_tp_case.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tp4"] == result["tp1"]
+    assert len({tuple(t) for t in result["tp1"]}) == 4
+    specs = result["specs4"]
+    assert specs["wq_a"] == [None, None, None, None] and specs["wq_b"] == [None, None, None, "model", None]
+    assert specs["wo_a"] == [None, "model", None, None, None] and specs["wo_b"] == [None, None, None, None]
+    assert specs["w_down_a"] == [None, "model", None, None] and specs["w_down_b"] == [None, None, None, None]
