@@ -300,3 +300,29 @@ def test_tensor_parallel_lora_equals_one_device():
     assert specs["wq_a"] == [None, None, None, None] and specs["wq_b"] == [None, None, None, "model", None]
     assert specs["wo_a"] == [None, "model", None, None, None] and specs["wo_b"] == [None, None, None, None]
     assert specs["w_down_a"] == [None, "model", None, None] and specs["w_down_b"] == [None, None, None, None]
+
+
+def test_scheduler_makes_an_adapter_wait_for_a_slot_while_others_run():
+    """Two slots, three adapters: the third adapter's request waits (it does not fail) while a base request behind
+    it is admitted; it runs as soon as a slot frees, with the slot's load in that step's plan. With one step in
+    flight (lag=1), as the engine runs."""
+    from fakes import FakeDevice, run_to_completion
+    from jaxserve.kv.allocator import PageAllocator
+    from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, page_size=4)
+    sched = Scheduler(config, PageAllocator(64, 4), adapter_slots=AdapterSlots(2))
+    for i, (adapter, n) in enumerate([(1, 6), (2, 3), (3, 2), (0, 2)]):
+        sched.add_request(f"r{i}", [i + 1] * 5, greedy(n), lora_id=adapter)
+    plans = []
+
+    def check(plan):
+        plans.append(plan)
+        sched.check_invariants()
+
+    run_to_completion(sched, FakeDevice(64, 4, config.num_slots), lag=1, on_step=check)
+    first = {row.request_id: row.lora_slot for row in plans[0].seqs}
+    assert first == {"r0": 1, "r1": 2, "r3": 0} and plans[0].lora_loads == ((1, 1), (2, 2))
+    started = next(i for i, p in enumerate(plans) if any(row.request_id == "r2" for row in p.seqs))
+    assert plans[started].lora_loads == ((2, 3),)  # r1 (adapter 2, 3 tokens) finished first: its slot is reused
+    assert all(row.lora_slot == 2 for p in plans[started:] for row in p.seqs if row.request_id == "r2")
+    assert sched.adapter_slots.slot_of(2) is None and sched.adapter_slots.slot_of(1) == 1

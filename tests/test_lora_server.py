@@ -84,6 +84,15 @@ def test_models_lists_adapters_with_their_parent(servers, adapters):
     assert models["tiny-llama"].parent is None
 
 
+def test_metrics_count_requests_per_adapter(servers):
+    on, _ = servers
+    client(on).completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+    text = httpx.get(f"{on.url}/metrics").text
+    assert 'jaxserve:request_success_total{finished_reason="length",model_name="sql"}' in text
+    assert any(line.startswith("jaxserve:lora_adapters_loaded{") and line.endswith(" 1.0")
+               for line in text.splitlines())
+
+
 def test_unknown_model_is_a_404_in_openai_format(servers):
     on, _ = servers
     with pytest.raises(openai.NotFoundError) as info:

@@ -207,6 +207,8 @@ class EngineStateCollector:
                      stats.kv_cache_usage, labels)
         yield _gauge("jaxserve:engine_alive", "1 while the engine loop runs, 0 once it has died.",
                      int(self.engine.is_alive), labels)
+        yield _gauge("jaxserve:lora_adapters_loaded", "LoRA adapters requests may name (requests per adapter: "
+                     "the request counters' model_name label).", len(self.engine.loras()), labels)
         yield _counter("jaxserve:num_preemptions", "Sequences preempted (recomputed later).", stats.num_preemptions,
                        labels)
         yield _counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
