@@ -101,7 +101,7 @@ def _add_field_flag(parser, field: dataclasses.Field, annotation: Any, help_text
         return
     if field.metadata.get("nargs"):  # a list of words, space-separated as vLLM's --lora-modules a=DIR b=DIR
         parser.add_argument(flag_name(field.name), dest=field.name, default=default, nargs=field.metadata["nargs"],
-                            metavar=field.name.upper(), help=help_text)
+                            metavar=field.metadata.get("metavar", field.name.upper()), help=help_text)
         return
     parser.add_argument(flag_name(field.name), dest=field.name, default=default, type=_parser_for(base),
                         metavar=_metavar(field.name, base), help=help_text)

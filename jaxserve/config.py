@@ -207,7 +207,7 @@ class EngineConfig:
     process_id: int | None = None  # multi-host: this process's rank, 0..num_processes-1 (0 serves and schedules)
     generation_config: str = "auto"  # auto | vllm | a folder: where requests' default sampling comes from
     enable_lora: bool = False  # serve LoRA adapters (PEFT directories) beside the base model, mixed in one batch
-    lora_modules: tuple[str, ...] = dataclasses.field(default=(), metadata={"nargs": "+"})  # adapters loaded at start-up: NAME=DIR ... (or JSON {"name": ..., "path": ...}); requests pick one with `model`
+    lora_modules: tuple[str, ...] = dataclasses.field(default=(), metadata={"nargs": "+", "metavar": "NAME=DIR"})  # adapters loaded at start-up: NAME=DIR ... (or JSON {"name": ..., "path": ...}); requests pick one with `model`
     max_loras: int = 1  # adapters on the device at once (slots); requests for others wait for a free slot
     max_lora_rank: int = 16  # largest adapter rank the slots hold (adapters of lower rank are zero-padded)
     merge_lora: bool = False  # merge the one --lora-modules adapter into the base weights at load (base-model speed; every request then runs with it, under either name)
