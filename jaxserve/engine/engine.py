@@ -398,6 +398,8 @@ class LLMEngine:
         if lora_request is None:
             return None
         known = {info.name: info for info in self.core.lora_infos()}
+        if lora_request.lora_name not in known and not lora_request.lora_path:
+            raise LoraError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded: give its lora_path")
         if lora_request.lora_name not in known:
             self.core.add_lora(lora_request.lora_name, lora_request.lora_path)
         elif lora_request.lora_path and Path(known[lora_request.lora_name].path) != Path(lora_request.lora_path):

@@ -111,6 +111,12 @@ class DataParallelCore:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    def lora_infos(self) -> tuple:
+        return ()  # EngineCore refuses --enable-lora with data parallelism
+
+    def add_lora(self, name: str, path: str) -> None:
+        raise LoraError("LoRA adapters are not served with --data-parallel-size > 1")
+
     def step(self) -> StepOutputs:
         steps = [replica.step() for replica in self.replicas if replica.has_unfinished_requests()]
         finished = tuple(rid for step in steps for rid in step.finished_requests)
