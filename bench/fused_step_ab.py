@@ -32,7 +32,7 @@ for B in (1, 64):
     pages = shape.pages
     inputs = StepInputs(np.tile(np.arange(1, pages + 1, dtype=np.int32), (B, 1)) % (core.kv_plan.num_pages - 1) + 1,
                         np.full(B, 100, np.int32), np.arange(B + 1, dtype=np.int32), np.arange(1, B + 1, dtype=np.int32),
-                        np.ones(B, bool), SamplingFlags.NONE.as_array())
+                        np.ones(B, bool), SamplingFlags.NONE.as_array(), np.zeros(B, np.int32))
     fused = r.executables[shape] if "--plain" not in sys.argv else jax.jit(functools.partial(
         step, r.graphdef, shape=shape, page_size=r.page_size, kernels=r.kernels, sharder=None), donate_argnums=(1, 2))
     m = jax.jit(functools.partial(model_step, r.graphdef, shape=shape, page_size=r.page_size, kernels=r.kernels),

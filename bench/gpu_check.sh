@@ -65,3 +65,14 @@ fi
 if [[ "${PARALLEL:-1}" != "0" && -f bench/gpu_check_parallel.sh ]]; then
   OUT="$OUT" PYTHON="$PY" bash bench/gpu_check_parallel.sh
 fi
+# ------------------------------------------------------------------------------------------------------------------
+# LoRA (issue 16): base model vs 4 random rank-16 adapters mixed in every batch vs one merged adapter, Llama-3-8B
+# shaped, bf16, 64 requests of 128 + 128 tokens, rounds interleaved (bench/lora.py). LORA=0 skips it. Files:
+# $OUT/lora.log, $OUT/lora.json (one JSON line: out tok/s per engine and per round, lora_vs_base, merged_vs_base).
+if [[ "${LORA:-1}" != "0" && -f bench/lora.py ]]; then
+  phase "LoRA serving cost"
+  cap 300 $PY bench/lora.py --preset llama3-8b --dtype bfloat16 --rounds 2 --out "$OUT/lora.json" \
+    --engine-args '{"kv_cache_memory": 4e9, "decode_buckets": [16, 64], "prefill_token_buckets": [256, 2048]}' \
+    2>&1 | tee "$OUT/lora.log" | tail -5
+  echo "lora exit code: $? (124 = hit its time cap)" | tee -a "$OUT/summary.txt"
+fi

@@ -18,6 +18,7 @@ _LAZY = {
     "EngineConfig": "jaxserve.config",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
+    "LoRARequest": "jaxserve.lora.request",
 }
 
 

@@ -85,6 +85,7 @@ def config_from_args(config_class: type, args: argparse.Namespace, **overrides: 
     """The dataclass with every field that has a flag in `args` set from it; `overrides` win."""
     names = {f.name for f in dataclasses.fields(config_class)}
     values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}  # nargs flags
     return config_class(**{**values, **overrides})
 
 
@@ -97,6 +98,10 @@ def _add_field_flag(parser, field: dataclasses.Field, annotation: Any, help_text
     if base is bool:
         parser.add_argument(flag_name(field.name), dest=field.name, default=default,
                             action=argparse.BooleanOptionalAction, help=help_text)
+        return
+    if field.metadata.get("nargs"):  # a list of words, space-separated as vLLM's --lora-modules a=DIR b=DIR
+        parser.add_argument(flag_name(field.name), dest=field.name, default=default, nargs=field.metadata["nargs"],
+                            metavar=field.metadata.get("metavar", field.name.upper()), help=help_text)
         return
     parser.add_argument(flag_name(field.name), dest=field.name, default=default, type=_parser_for(base),
                         metavar=_metavar(field.name, base), help=help_text)

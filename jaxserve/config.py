@@ -214,6 +214,12 @@ class EngineConfig:
     speculative_model: str | None = None  # draft: the draft checkpoint's folder
     speculative_disable_batch_size: int | None = 8  # no speculation in a step with more running sequences
 
+    enable_lora: bool = False  # serve LoRA adapters (PEFT directories) beside the base model, mixed in one batch
+    lora_modules: tuple[str, ...] = dataclasses.field(default=(), metadata={"nargs": "+", "metavar": "NAME=DIR"})  # adapters loaded at start-up: NAME=DIR ... (or JSON {"name": ..., "path": ...}); requests pick one with `model`
+    max_loras: int = 1  # adapters on the device at once (slots); requests for others wait for a free slot
+    max_lora_rank: int = 16  # largest adapter rank the slots hold (adapters of lower rank are zero-padded)
+    merge_lora: bool = False  # merge the one --lora-modules adapter into the base weights at load (base-model speed; every request then runs with it, under either name)
+
     def speculation(self) -> "SpeculativeConfig | None":
         """The speculative-decoding settings, checked (ConfigError names the flag), or None when off."""
         if self.speculative_method is None:

@@ -64,6 +64,7 @@ class MemoryEstimate:
     reserve: int  # free - kv_cache: temporaries, margin and what kv_cache_fraction leaves unused
     plan: KVPlan | None
     error: str | None  # why nothing fits
+    adapters: int = 0  # LoRA adapter slots (--enable-lora): max_loras + 1 slots of max_lora_rank factors
 
     @property
     def kv_tokens(self) -> int:
@@ -129,6 +130,7 @@ class Estimate:
             "max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size,
             "gpu": self.gpu.name if self.gpu else None,
             "memory_per_device": {"device": m.device, "pool": m.pool, "weights": m.weights, "slots": m.slots,
+                                  "lora_adapters": m.adapters,
                                   "free": m.free, "temporaries": m.temporaries,
                                   "temporaries_measured": m.temporaries_measured,
                                   "margin": m.plan.margin if m.plan else 0, "kv_budget": m.kv_budget,
@@ -159,7 +161,8 @@ def estimate(cfg: ModelConfig, engine: EngineConfig = EngineConfig(), *, memory_
     weights = bytes_per_device(arrays, kept, tp)
     pool = int(memory_bytes * pool_fraction)
     slots = slot_state_bytes(engine, max_len)
-    free = pool - weights - slots
+    adapters = bytes_per_device(adapter_arrays(cfg, engine, dtype), kept, tp) if engine.enable_lora else 0
+    free = pool - weights - slots - adapters
     measured = measure or temporaries is not None
     if temporaries is None:
         temporaries = (measure_temporaries(cfg, engine, dtype) if measure
@@ -175,7 +178,7 @@ def estimate(cfg: ModelConfig, engine: EngineConfig = EngineConfig(), *, memory_
     kv_cache = plan.cache_bytes if plan else 0
     kv_per_token = kv_bytes_per_token(cfg, "auto", kv_dtype)
     memory = MemoryEstimate(memory_bytes, pool, weights, slots, free, temporaries, measured, kv_cache,
-                            kv_per_token // kv_shards, max(0, free - kv_cache), plan, error)
+                            kv_per_token // kv_shards, max(0, free - kv_cache), plan, error, adapters)
     params = cfg.num_params()
     return Estimate(cfg, engine, max_len, dtype, kv_dtype.name, kv_per_token, tp, gpu, memory, params,
                     params * schemes_bits(cfg, dtype) / 8 * RULE_OF_THUMB_OVERHEAD)
@@ -228,6 +231,17 @@ def weight_arrays(cfg: ModelConfig, dtype: str) -> list[tuple[tuple, tuple[int, 
     """(logical axes, shape, dtype) of every stored weight array, quantized values and scales included, from the
     model's declaration traced abstractly (nothing is allocated)."""
     _, state = nnx.split(abstract_model(cfg, numpy_dtype(dtype)), nnx.Param)
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [(tuple(v.get_metadata()["axes"]), tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype))
+            for v in leaves]
+
+
+def adapter_arrays(cfg: ModelConfig, engine: EngineConfig, dtype: str
+                   ) -> list[tuple[tuple, tuple[int, ...], jnp.dtype]]:
+    """(logical axes, shape, dtype) of the stacked LoRA factors --enable-lora adds (jaxserve.lora.weights)."""
+    from jaxserve.lora.weights import LoraWeights
+    abstract = nnx.eval_shape(lambda: LoraWeights(cfg, engine.max_loras, engine.max_lora_rank, numpy_dtype(dtype)))
+    _, state = nnx.split(abstract, nnx.Param)
     leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return [(tuple(v.get_metadata()["axes"]), tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype))
             for v in leaves]
@@ -289,6 +303,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the engine's largest step shapes on this machine (from abstract weights, "
                              "nothing allocated) and reserve their measured temporaries, as the engine does, instead "
                              "of estimating them; exact for this machine's backend")
+    parser.add_argument("--enable-lora", action="store_true", help="reserve LoRA adapter slots (as `serve`)")
+    parser.add_argument("--max-loras", type=int, default=EngineConfig.max_loras)
+    parser.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank)
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -300,7 +317,9 @@ def run(args: argparse.Namespace) -> int:
         engine = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                               kv_cache_fraction=args.kv_cache_fraction, kv_cache_memory=args.kv_cache_memory,
-                              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+                              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                              enable_lora=args.enable_lora, max_loras=args.max_loras,
+                              max_lora_rank=args.max_lora_rank)
         gpu = GPUS[args.gpu] if args.gpu else None
         memory = gpu.memory_bytes if gpu else int(args.memory_gb * GiB)
         result = estimate(cfg, engine, memory_bytes=memory, gpu=gpu, weight_dtype=args.dtype,
@@ -337,6 +356,8 @@ def report(e: Estimate) -> str:
             ("XLA pool", m.pool, f"{m.pool / m.device:.0%} of the device"),
             ("weights", m.weights, f"/{e.tensor_parallel_size} devices" if e.tensor_parallel_size > 1 else ""),
             ("slot state", m.slots, "token history and sampling state"),
+            *([("LoRA adapter slots", m.adapters, f"{e.engine.max_loras} adapters of rank "
+                f"{e.engine.max_lora_rank} (+ the empty slot 0)")] if m.adapters else []),
             ("free after the weights and slots", m.free, ""),
             ("step temporaries", m.temporaries, ("measured on this machine" if m.temporaries_measured
                                                   else "estimated (--measure compiles them)")

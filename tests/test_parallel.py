@@ -123,16 +123,16 @@ def test_step_messages_round_trip():
             (1, slot_row([8], 1, SamplingParams(), 4, (2,), 8191))]
     inputs = StepInputs(np.array([[4, 5, 0, 0], [6, 0, 0, 0]], np.int32), np.array([3, 1], np.int32),
                         np.array([0, 3, 4], np.int32), np.array([3, 1], np.int32), np.array([True, True]),
-                        np.zeros(6, bool))
+                        np.zeros(6, bool), np.array([0, 2], np.int32))
     payload = encode(StepMessage(rows, StepShape("prefill", 16, 2, 4), inputs, True))
     assert len(payload) < 16_000  # ~25 small arrays; the token rows' zero padding (2 x 32 KiB) does not travel
     message = decode(payload)
     assert message.shape == StepShape("prefill", 16, 2, 4) and message.prompt_logprobs
-    for name in ("block_tables", "context_lens", "query_start", "row_slots", "sample_mask", "flags"):
+    for name in ("block_tables", "context_lens", "query_start", "row_slots", "sample_mask", "flags", "lora_slots"):
         np.testing.assert_array_equal(getattr(message.inputs, name), getattr(inputs, name))
         assert getattr(message.inputs, name).dtype == getattr(inputs, name).dtype
     big = StepInputs(np.zeros((256, 512), np.int32), *(np.zeros(256, np.int32) for _ in range(2)),
-                     np.zeros(256, np.int32), np.zeros(256, bool), np.zeros(6, bool))
+                     np.zeros(256, np.int32), np.zeros(256, bool), np.zeros(6, bool), np.zeros(256, np.int32))
     big.block_tables[:3, :2] = 7
     payload = encode(StepMessage([], StepShape("decode", 256, 256, 512), big, False))
     assert len(payload) < 8000  # the zero padding of a large bucket's block tables does not travel
@@ -367,7 +367,7 @@ def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch, shap
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     s = shape.seqs
     inputs = StepInputs(i32(s, 4), i32(s), i32(s + 1), i32(s), jax.ShapeDtypeStruct((s,), jnp.bool_),
-                        jax.ShapeDtypeStruct((6,), jnp.bool_))
+                        jax.ShapeDtypeStruct((6,), jnp.bool_), i32(s))
     step = functools.partial(model_step, graphdef, shape=shape, page_size=16,
                              kernels=Kernels.resolve("pallas", "pallas"))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks compiled kernels, not interpret

@@ -152,6 +152,9 @@ class FakeEngine:
     def finish_sample(self, request_id, index, stop):
         return self.progress.pop(request_id, None) is not None
 
+    def lora_infos(self):
+        return ()
+
     def has_unfinished_requests(self):
         return bool(self.progress)
 

@@ -70,6 +70,16 @@ class _Finish:
     stop: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _AdapterCommand:
+    """Load (path given) or unload (path None) a LoRA adapter on the engine thread; `done` gets the outcome."""
+
+    name: str
+    path: str | None
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -130,6 +140,7 @@ class AsyncEngine:
         self._step_started: float | None = None  # time.monotonic while a step runs (engine thread writes)
         self._fatal_listeners: list[Callable[[BaseException], None]] = []
         self._stats = SchedulerStats()  # replaced (never changed) by the engine thread after each step
+        self._loras = core.lora_infos()  # replaced by the engine thread after each adapter load / unload
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # engine thread only: where each request's outputs go
         self._processors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> its OutputProcessor
 
@@ -163,6 +174,27 @@ class AsyncEngine:
     def stats(self) -> SchedulerStats:
         return self._stats
 
+    def loras(self):
+        """The LoRA adapters loaded now (jaxserve.lora.registry.LoraInfo), a snapshot."""
+        return self._loras
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Reads and registers a PEFT adapter on the engine thread; raises LoraError naming the problem."""
+        await self._adapter_command(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Forgets an adapter: KeyError if unknown, LoraInUseError while requests run or wait with it."""
+        await self._adapter_command(name, None)
+
+    async def _adapter_command(self, name: str, path: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            if self._closed or not self.is_alive:
+                raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            self._commands.put(_AdapterCommand(name, path, loop, done))
+        await done
+
     @property
     def monitor(self):
         if self._monitor is None:
@@ -172,7 +204,7 @@ class AsyncEngine:
     # ---- requests (event loop) ------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
                           priority: int = 0, prompt_text: str | None = None,
-                          kind: OutputKind = OutputKind.DELTA) -> "RequestStream":
+                          kind: OutputKind = OutputKind.DELTA, lora_name: str | None = None) -> "RequestStream":
         """Validates and queues a request; returns once the engine thread has accepted it, so a server can still
         answer with an error status. Raises InvalidRequestError (a ValueError naming the parameter), ValueError
         for a request id in use, QueueFullError, or EngineDeadError. Iterate the stream for the outputs;
@@ -193,7 +225,8 @@ class AsyncEngine:
                               kind, notify=news.set)
         accepted = loop.create_future()
         try:
-            self._submit(_Add(EngineRequest(request_id, prompt_ids, params, arrival, priority), loop, accepted))
+            self._submit(_Add(EngineRequest(request_id, prompt_ids, params, arrival, priority, lora_name), loop,
+                              accepted))
             await accepted  # raises the engine's ValueError (an id already in use on another loop)
         except BaseException:
             processor.drop(request_id)
@@ -374,6 +407,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _AdapterCommand):
+                self._change_adapters(command)
             elif isinstance(command, _Abort):
                 self._dequeue((command.request_id,))
                 deltas = self._core.abort_request(command.request_id)
@@ -392,6 +427,18 @@ class AsyncEngine:
             return
         self._loops[command.request.request_id] = command.loop
         _call_soon(command.loop, _set_result, command.accepted, None)
+
+    def _change_adapters(self, command: _AdapterCommand) -> None:
+        try:
+            if command.path is not None:
+                self._core.add_lora(command.name, command.path)
+            else:
+                self._core.remove_lora(command.name)
+        except Exception as exc:  # noqa: BLE001 - refused: the caller gets the reason, the engine goes on
+            command.loop.call_soon_threadsafe(_set_exception, command.done, exc)
+            return
+        self._loras = self._core.lora_infos()
+        command.loop.call_soon_threadsafe(_set_result, command.done, None)
 
     def _deliver(self, step: StepOutputs) -> None:
         """One callback per event loop with that loop's deltas (usually there is one loop)."""

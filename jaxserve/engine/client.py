@@ -3,6 +3,7 @@
 on nothing else of jaxserve.engine. No jax here.
 
     add_request(id, prompt ids, params)  -> RequestStream of RequestOutputs (frozen), validated on the way in
+    loras() / load_lora / unload_lora    the LoRA adapters it serves, changed at run time
     abort(id)                            ends a request (closing its stream does too)
     add_fatal_listener(callback)         told when the engine stops for good (dead, no restart left; or hung)
     stats()                              SchedulerStats: a frozen snapshot, at most one step old
@@ -91,13 +92,18 @@ class EngineClient(Protocol):
         """`callback(error)` runs once, on an engine thread, when the engine stops for good (dead with no
         restart left, or hung): a server exits non-zero then, for its supervisor to restart it."""
         ...
+    def loras(self) -> tuple: ...  # the LoRA adapters loaded now: jaxserve.lora.registry.LoraInfo
+
+    async def load_lora(self, name: str, path: str) -> None: ...  # raises LoraError naming the problem
+
+    async def unload_lora(self, name: str) -> None: ...  # KeyError if unknown; LoraInUseError while in use
 
     async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
                           priority: int = 0, prompt_text: str | None = None,
-                          kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+                          kind: OutputKind = OutputKind.DELTA, lora_name: str | None = None) -> RequestStream:
         """Validates the request (jaxserve.validation.InvalidRequestError names the bad parameter) and returns
-        once the engine accepted it. Raises QueueFullError when admission refuses it, EngineDeadError when the
-        engine is not running."""
+        once the engine accepted it, to run with LoRA adapter `lora_name` (None: the base model). Raises
+        QueueFullError when admission refuses it, EngineDeadError when the engine is not running."""
         ...
 
     def abort(self, request_id: str) -> None: ...

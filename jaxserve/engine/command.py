@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--regex", help="each output matches this regular expression")
     structured.add_argument("--choice", action="append", help="each output is one of these strings; repeat")
     structured.add_argument("--grammar", metavar="FILE", help="a Lark or GBNF grammar file the outputs follow")
+    parser.add_argument("--lora", metavar="NAME", default=None,
+                        help="run every prompt with this LoRA adapter (a --lora-modules name; with --enable-lora)")
     sampling = parser.add_argument_group("sampling")
     add_config_flags(sampling, SamplingParams, skip=tuple(f for f in SamplingParams.__dataclass_fields__
                                                           if f not in SAMPLING_FLAGS))
@@ -64,16 +66,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(llm, args: argparse.Namespace, params: SamplingParams) -> int:
+    from jaxserve.lora import LoRARequest
+    adapter = LoRARequest(args.lora) if args.lora else None
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     if args.chat:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     if args.json or len(prompts) > 1 or params.n > 1:
-        for output in llm.generate(prompts, params):
+        for output in llm.generate(prompts, params, lora_request=adapter):
             print(json.dumps({"prompt": output.prompt, "outputs": [
                 {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
                 for o in output.outputs]}))
         return 0
-    for output in llm.generate_stream(prompts, params):
+    for output in llm.generate_stream(prompts, params, lora_request=adapter):
         sys.stdout.write("".join(o.text for o in output.outputs))  # deltas; one sample here
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -18,6 +18,7 @@ import logging
 import operator
 import os
 import time
+from pathlib import Path
 from typing import Callable, Sequence as Seq
 
 import jax
@@ -39,6 +40,11 @@ from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import NullMeter, StepMeter, StepRecord
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.kv.cache import KVCache
+from jaxserve.lora import LoRARequest
+from jaxserve.lora import weights as lora_weights
+from jaxserve.lora.adapter import LoraError, read_adapter
+from jaxserve.lora.registry import AdapterRegistry, LoraInfo, LoraInUseError, parse_lora_module
+from jaxserve.lora.slots import AdapterSlots
 from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama, numpy_dtype
 from jaxserve.outputs import OutputKind, RequestOutput, TokenLogprob
@@ -81,7 +87,7 @@ class EngineCore:
                                        config.tensor_parallel_size)
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
-        model = place_model(model, self.sharder)
+        model = place_model(self._with_adapters(model), self.sharder)
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
@@ -104,13 +110,52 @@ class EngineCore:
                                                    self.max_model_len, config.page_size,
                                                    spec.num_tokens if spec else 0,
                                                    spec.disable_batch_size if spec else None),
-                                   allocator, eos, seed=config.seed, proposer=make_proposer(spec))
+                                   allocator, eos, seed=config.seed, proposer=make_proposer(spec),
+                                   adapter_slots=self._adapter_slots)
+        for item in config.lora_modules if not config.merge_lora else ():
+            self.add_lora(*parse_lora_module(item))
         self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
         # grammar matchers of constrained samples (jaxserve.structured); the compiler is shared with front ends
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer, model.cfg.vocab_size, eos))
         self._in_flight: PendingStep | None = None
         host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
         self._log_ready()
+
+    def _with_adapters(self, model: Llama) -> Llama:
+        """With --enable-lora: the model with empty adapter slots, an adapter registry and the slot manager.
+        With --merge-lora: the model with its one adapter merged into the weights."""
+        config = self.config
+        self.adapters = AdapterRegistry(config.max_lora_rank) if config.enable_lora else None
+        self._adapter_slots = AdapterSlots(config.max_loras) if config.enable_lora else None
+        self.merged_adapter: LoraInfo | None = None
+        if config.merge_lora:
+            return self._merge_adapter(model)
+        if not config.enable_lora:
+            if config.lora_modules:
+                raise ConfigError("--lora-modules needs --enable-lora")
+            return model
+        if config.data_parallel_size > 1 or jax.process_count() > 1:
+            raise ConfigError("LoRA adapters are served by one engine on one host for now: --enable-lora does not "
+                              "combine with --data-parallel-size > 1 or multi-host runs")
+        if config.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be at least 1, not {config.max_lora_rank}")
+        if config.max_loras < 1:
+            raise ConfigError(f"--max-loras must be at least 1, not {config.max_loras}")
+        return lora_weights.attach(model, config.max_loras, config.max_lora_rank)
+
+    def _merge_adapter(self, model: Llama) -> Llama:
+        config = self.config
+        if config.enable_lora or len(config.lora_modules) != 1:
+            raise ConfigError("--merge-lora merges exactly one adapter: give one --lora-modules NAME=DIR, without "
+                              "--enable-lora (which serves adapters side by side instead)")
+        if model.cfg.quantization is not None:
+            raise ConfigError("--merge-lora needs float base weights; this checkpoint's projections are "
+                              f"{model.cfg.quantization}: serve the adapter with --enable-lora instead")
+        name, path = parse_lora_module(config.lora_modules[0])
+        adapter = read_adapter(path, model.cfg)
+        self.merged_adapter = LoraInfo(name, 0, str(path), adapter.rank, adapter.target_weights)
+        log.info("LoRA adapter %s (rank %d) merged into the base weights", name, adapter.rank)
+        return lora_weights.merge(model, adapter)
 
     def _log_ready(self) -> None:
         plan = self.kv_plan
@@ -187,9 +232,51 @@ class EngineCore:
     def _buckets(self) -> BucketTable:
         return engine_buckets(self.config, self.max_model_len, self.kernels.attention_name)
 
+    # ---- LoRA adapters --------------------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Reads a PEFT adapter directory and registers it as `name` (raises LoraError naming the problem). It
+        takes a device slot when a request first runs with it."""
+        if self.adapters is None:
+            raise LoraError("LoRA adapters need an engine started with --enable-lora (enable_lora=True)")
+        if name in self.adapters:
+            raise LoraError(f"the LoRA adapter {name!r} has already been loaded")
+        adapter = read_adapter(path, self.model_config, self.config.max_lora_rank)
+        adapter_id = self.adapters.add(name, adapter)
+        log.info("LoRA adapter %s loaded from %s (rank %d, %s)", name, path, adapter.rank,
+                 ", ".join(adapter.target_weights))
+        return next(info for info in self.adapters.infos() if info.id == adapter_id)
+
+    def remove_lora(self, name: str) -> None:
+        """Forgets an adapter. Refused (LoraInUseError) while requests run or wait with it; KeyError if unknown."""
+        adapter_id = self.adapters.id_of(name) if self.adapters is not None else None
+        if adapter_id is None:
+            raise KeyError(name)
+        users = self.scheduler.num_sequences_with_adapter(adapter_id)
+        if users:
+            raise LoraInUseError(f"the LoRA adapter {name!r} is in use by {users} unfinished sequences; unload it "
+                                 f"when they have finished")
+        self._adapter_slots.forget(adapter_id)
+        self.adapters.remove(name)
+        log.info("LoRA adapter %s unloaded", name)
+
+    def lora_infos(self) -> tuple[LoraInfo, ...]:
+        if self.merged_adapter is not None:
+            return (self.merged_adapter,)
+        return self.adapters.infos() if self.adapters is not None else ()
+
+    def _adapter_id(self, name: str | None) -> int:
+        if name is None or (self.merged_adapter is not None and name == self.merged_adapter.name):
+            return 0  # the base model, or the adapter merged into it
+        adapter_id = self.adapters.id_of(name) if self.adapters is not None else None
+        if adapter_id is None:
+            raise LoraError(f"the LoRA adapter {name!r} is not loaded")
+        return adapter_id
+
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a validated request (jaxserve.validation). Raises ValueError for an id already in use."""
+        """Queues a validated request (jaxserve.validation). Raises ValueError for an id already in use, LoraError
+        (a ValueError) for an adapter not loaded."""
+        adapter_id = self._adapter_id(request.lora_name)
         if request.params.structured_outputs is not None:  # compiled (or found cached) before anything is queued
             if request.request_id in self.scheduler.requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -197,7 +284,7 @@ class EngineCore:
         if not self.has_unfinished_requests():
             self.meter.work_arrived()  # the device's idle time until now was not the host's doing
         self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                   request.arrival_time, request.priority)
+                                   request.arrival_time, request.priority, lora_id=adapter_id)
 
     def abort_request(self, request_id: str) -> tuple[SampleDelta, ...]:
         """Ends every unfinished sample of the request with "abort"; their final deltas (none if unknown)."""
@@ -302,6 +389,9 @@ class EngineCore:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.runner.kv, self.runner.slots)))
 
     def _dispatch(self, plan: StepPlan) -> PendingStep:
+        for slot, adapter_id in plan.lora_loads:
+            self.runner.load_adapter(slot, lora_weights.slot_values(self.adapters.adapter(adapter_id),
+                                                                    self.model_config, self.config.max_lora_rank))
         flags = SamplingFlags.NONE
         for row in plan.seqs:
             flags |= SamplingFlags.of(row.params)
@@ -383,18 +473,33 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, prompt_text: str | None = None,
-                    kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+                    kind: OutputKind = OutputKind.CUMULATIVE, lora_request: LoRARequest | None = None) -> None:
         """Validates and queues a request; raises jaxserve.validation.InvalidRequestError (a ValueError) naming
-        the parameter. `prompt` is text or token ids; with ids, `prompt_text` is the text they came from."""
+        the parameter. `prompt` is text or token ids; with ids, `prompt_text` is the text they came from.
+        `lora_request` runs it with that adapter, read from its path the first time its name is seen."""
         params = params or SamplingParams()
         text, prompt_ids = tokenize(self.tokenizer, prompt)
         validate_request(prompt_ids, params, self.core.limits)
         if request_id in self.processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora_name = self._adapter(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.core.add_request(EngineRequest(request_id, prompt_ids, params, arrival, priority))
+        self.core.add_request(EngineRequest(request_id, prompt_ids, params, arrival, priority, lora_name))
         self.processor.add(request_id, text if prompt_text is None else prompt_text, prompt_ids, params, arrival,
                            kind)
+
+    def _adapter(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        known = {info.name: info for info in self.core.lora_infos()}
+        if lora_request.lora_name not in known and not lora_request.lora_path:
+            raise LoraError(f"the LoRA adapter {lora_request.lora_name!r} is not loaded: give its lora_path")
+        if lora_request.lora_name not in known:
+            self.core.add_lora(lora_request.lora_name, lora_request.lora_path)
+        elif lora_request.lora_path and Path(known[lora_request.lora_name].path) != Path(lora_request.lora_path):
+            raise LoraError(f"the LoRA adapter {lora_request.lora_name!r} was loaded from "
+                            f"{known[lora_request.lora_name].path}, not {lora_request.lora_path}")
+        return lora_request.lora_name
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """The request's final output (finish_reason "abort"), or None for an unknown or finished one."""

@@ -26,6 +26,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float  # time.monotonic
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter to run with (a name the engine has loaded); None: the base
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

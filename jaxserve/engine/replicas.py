@@ -29,6 +29,7 @@ from jaxserve.engine.client import EngineDeadError, QueueFullError
 from jaxserve.engine.engine import EngineCore, LLMEngine
 from jaxserve.engine.messages import EngineRequest, SampleDelta, SchedulerStats, StepOutputs
 from jaxserve.engine.multihost import follow_if_follower
+from jaxserve.lora.adapter import LoraError
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import MeshError, make_mesh, replica_meshes
 from jaxserve.parallel.multihost import initialize
@@ -110,6 +111,12 @@ class DataParallelCore:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    def lora_infos(self) -> tuple:
+        return ()  # EngineCore refuses --enable-lora with data parallelism
+
+    def add_lora(self, name: str, path: str) -> None:
+        raise LoraError("LoRA adapters are not served with --data-parallel-size > 1")
+
     def step(self) -> StepOutputs:
         steps = [replica.step() for replica in self.replicas if replica.has_unfinished_requests()]
         finished = tuple(rid for step in steps for rid in step.finished_requests)
@@ -158,6 +165,15 @@ class ReplicaRouter:
     def stats(self) -> SchedulerStats:
         return SchedulerStats.combine([r.stats() for r in self.replicas])
 
+    def loras(self) -> tuple:
+        return ()  # LoRA runs on one engine (EngineCore refuses --enable-lora with data parallelism)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise LoraError("LoRA adapters are not served with --data-parallel-size > 1")
+
+    async def unload_lora(self, name: str) -> None:
+        raise KeyError(name)
+
     @property
     def monitor(self):
         """The replicas' shared monitor (every replica's step records)."""
@@ -191,7 +207,7 @@ class ReplicaRouter:
 
     async def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
                           priority: int = 0, prompt_text: str | None = None,
-                          kind: OutputKind = OutputKind.DELTA) -> "RoutedStream":
+                          kind: OutputKind = OutputKind.DELTA, lora_name: str | None = None) -> "RoutedStream":
         """Routes to the least-loaded replica; raises as AsyncEngine.add_request does (QueueFullError against the
         shared limit: every replica's waiting requests together)."""
         self._admit()
@@ -200,7 +216,7 @@ class ReplicaRouter:
         self._replica_of[request_id] = index
         try:
             stream = await self.replicas[index].add_request(request_id, prompt, params, priority=priority,
-                                                            prompt_text=prompt_text, kind=kind)
+                                                            prompt_text=prompt_text, kind=kind, lora_name=lora_name)
         except BaseException:
             self._release(request_id)
             raise

@@ -34,6 +34,7 @@ from jaxserve.engine.memory import transient_bytes
 from jaxserve.engine.sampler import (FLAG_PROMPT_LOGPROBS, NUM_FLAGS, SampleOutput, SamplingFlags, SlotState,
                                      VerifyOutput, assign_slot, sample, verify)
 from jaxserve.kv.cache import AttentionMetadata, KVCache
+from jaxserve.lora.weights import write_slot
 from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import Llama
 from jaxserve.parallel import RULES, Sharder, single_device_mesh
@@ -53,6 +54,7 @@ class StepInputs:
     row_slots: jax.Array  # [S] int32 (0 = null slot)
     sample_mask: jax.Array  # [S] bool: write the sampled token into the slot's history
     flags: jax.Array  # [NUM_FLAGS] bool, see SamplingFlags
+    lora_slots: jax.Array  # [S] int32: each row's adapter slot (0 = none; read only with adapter slots attached)
     # [S, ceil(vocab / 32)] int32 structured-output bitmask, bit set = token not allowed (jaxserve.structured);
     # None until ModelRunner.run puts its resident all-zero one there (nothing to send for unconstrained steps)
     disallowed: jax.Array | None = None
@@ -101,8 +103,10 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
     meta = AttentionMetadata.build(inputs.block_tables, inputs.context_lens, query_start, num_tokens, page_size,
                                    is_decode=is_decode)
     valid = meta.seq_ids < num_seqs
-    token_slots = jnp.where(valid, inputs.row_slots[jnp.minimum(meta.seq_ids, num_seqs - 1)], 0)
-    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels)
+    row = jnp.minimum(meta.seq_ids, num_seqs - 1)
+    token_slots = jnp.where(valid, inputs.row_slots[row], 0)
+    token_adapters = jnp.where(valid, inputs.lora_slots[row], 0)
+    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels, token_adapters)
     last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1) if logit_rows is None else logit_rows
     return kv, ModelOutputs(model.logits(hidden[last], kernels), hidden, token_slots, meta.positions)
 
@@ -244,6 +248,7 @@ class ModelRunner:
         self.executables: dict[StepShape, Callable] = {}
         self._assign = jax.jit(assign_slot, donate_argnums=0, out_shardings=self.replicated)
         self._no_constraints: dict[int, jax.Array] = {}  # seqs -> resident all-zero token bitmask
+        self._write_adapter = None  # compiled on the first adapter load
 
     @property
     def num_executables(self) -> int:
@@ -303,7 +308,7 @@ class ModelRunner:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=self.replicated)
         bool_ = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bool_, sharding=self.replicated)
         return StepInputs(i32((s, p)), i32((s,)), i32((s + 1,)), i32((s,)), bool_((s,)), bool_((NUM_FLAGS,)),
-                          i32((s, self.mask_words)))
+                          i32((s,)), i32((s, self.mask_words)))
 
     @property
     def mask_words(self) -> int:
@@ -315,6 +320,17 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror.assign(slot, row)
         self.slots = self._assign(self.slots, np.int32(slot), row)
+
+    def load_adapter(self, slot: int, values: dict[str, np.ndarray]) -> None:
+        """Writes one adapter slot of the stacked LoRA factors in place (jaxserve.lora.weights.slot_values)."""
+        if self.mirror is not None:
+            raise RuntimeError("LoRA adapters are not supported in multi-host runs")
+        lora = self.params["layers"]["lora"]
+        factors = nnx.to_pure_dict(lora)
+        if self._write_adapter is None:
+            shardings = jax.tree.map(lambda x: x.sharding, factors)
+            self._write_adapter = jax.jit(write_slot, donate_argnums=0, out_shardings=shardings)
+        nnx.replace_by_pure_dict(lora, self._write_adapter(factors, np.int32(slot), values))
 
     def shape_for(self, plan: StepPlan, prompt_logprobs: bool = False) -> StepShape:
         max_pages = max(len(row.pages) for row in plan.seqs)
@@ -367,17 +383,20 @@ def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags,
     query_start = np.zeros(s + 1, np.int32)
     row_slots = np.zeros(s, np.int32)
     sample_mask = np.zeros(s, bool)
+    lora_slots = np.zeros(s, np.int32)
     for i, row in enumerate(plan.seqs):
         block_tables[i, :len(row.pages)] = row.pages
         context_lens[i] = row.context_len
         query_start[i + 1] = row.num_new_tokens
         row_slots[i] = row.slot
         sample_mask[i] = row.sample
+        lora_slots[i] = row.lora_slot
     np.cumsum(query_start, out=query_start)
     if disallowed is not None:
         disallowed = np.pad(disallowed, ((0, s - disallowed.shape[0]), (0, 0)))
         flags |= SamplingFlags.STRUCTURED
-    return StepInputs(block_tables, context_lens, query_start, row_slots, sample_mask, flags.as_array(), disallowed)
+    return StepInputs(block_tables, context_lens, query_start, row_slots, sample_mask, flags.as_array(), lora_slots,
+                      disallowed)
 
 
 def build_drafts(plan: StepPlan, shape: StepShape, k: int) -> DraftInputs:

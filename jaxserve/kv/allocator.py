@@ -35,12 +35,20 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
-    """Chained hashes of every full page of `token_ids`, extending the already computed prefix `known`."""
+def page_hashes(token_ids: Sequence[int], page_size: int, known: Sequence[bytes] = (), salt: bytes = b""
+                ) -> list[bytes]:
+    """Chained hashes of every full page of `token_ids`, extending the already computed prefix `known`. `salt`
+    stands before the first page: what else the K/V depend on (the LoRA adapter), so equal tokens under another
+    adapter never share pages."""
     hashes = list(known)
     for start in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
-        hashes.append(chain_hash(hashes[-1] if hashes else b"", token_ids[start:start + page_size]))
+        hashes.append(chain_hash(hashes[-1] if hashes else salt, token_ids[start:start + page_size]))
     return hashes
+
+
+def adapter_salt(adapter_id: int) -> bytes:
+    """The page-hash salt of sequences run with LoRA adapter `adapter_id` (0, no adapter: none)."""
+    return b"" if adapter_id == 0 else hashlib.blake2b(b"lora:%d" % adapter_id, digest_size=16).digest()
 
 
 @dataclasses.dataclass

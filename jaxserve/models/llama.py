@@ -116,14 +116,19 @@ class DecoderLayers(nnx.Module):
 
     PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
-    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA, in_place=()):
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA, lora_mask=None, in_place=()):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
-        and `aux` (the updated cache, for the paged path) is handed back to the caller. `in_place`: (names, layer
-        index) of projections whose weights are still stacked, read in place by kernels.stacked_matmul."""
+        and `aux` (the updated cache, for the paged path) is handed back to the caller. With adapter slots
+        attached (jaxserve.lora.weights), lora_mask [..., T, slots] selects each token's adapter. `in_place`:
+        (names, layer index) of projections whose weights are still stacked, read in place by
+        kernels.stacked_matmul."""
         stacked, index = in_place or ((), None)
 
-        def dense(x, name, spec):
-            return _dense(x, getattr(self, name), spec, kernels=kernels, layer=index if name in stacked else None)
+        def dense(inputs, name: str, spec: str):
+            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if name in stacked else None)
+            if lora_mask is None:
+                return out
+            return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
 
         h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
         q = dense(h, "wq", "...te,ehd->...thd")
@@ -162,12 +167,13 @@ class Llama(nnx.Module):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                 kernels: Kernels = XLA) -> tuple[jax.Array, KVCache]:
-        """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache."""
+                 kernels: Kernels = XLA, lora_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache.
+        lora_slots [T] int32: each token's adapter slot (0: none), when adapter slots are attached."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(meta.positions, x.dtype)
-
+        lora_mask = self._lora_mask(lora_slots, x.dtype)
         in_place = self._read_in_place(kernels, tokens.shape[0])
 
         def one_layer(layer, carry, index):
@@ -177,18 +183,26 @@ class Llama(nnx.Module):
                 return attend_paged(q, k, v, cache, index, meta, sliding_window=cfg.sliding_window,
                                     kernels=kernels)
 
-            return layer(x, cos, sin, attend, cfg, kernels, in_place=(in_place, index))
+            return layer(x, cos, sin, attend, cfg, kernels, lora_mask, in_place=(in_place, index))
 
         return self._scan_layers(one_layer, (x, cache), keep_stacked=in_place)
 
-    def forward_dense(self, tokens: jax.Array, kernels: Kernels = XLA, kv_cache_dtype=None) -> jax.Array:
+    def _lora_mask(self, lora_slots: jax.Array | None, dtype) -> jax.Array | None:
+        if lora_slots is None or not hasattr(self.layers, "lora"):
+            return None
+        return self.layers.lora.token_mask(lora_slots, dtype)
+
+    def forward_dense(self, tokens: jax.Array, kernels: Kernels = XLA, kv_cache_dtype=None,
+                      lora_slots: jax.Array | None = None) -> jax.Array:
         """Training/scoring path without a cache: tokens [B, T] -> logits [B, T, vocab] float32, causal.
 
         kv_cache_dtype (int8 / float8_e4m3fn) rounds K and V as a quantized paged cache stores them (per token,
-        before attention), so scoring here gives what the engine computes with that cache."""
+        before attention), so scoring here gives what the engine computes with that cache. lora_slots [B, T]:
+        each token's adapter slot, as in __call__."""
         cfg = self.cfg
         x = self.embed[...][tokens]
         cos, sin = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
+        lora_mask = self._lora_mask(lora_slots, x.dtype)
 
         def dense_attention(q, k, v):
             if kv_cache_dtype is not None:
@@ -196,7 +210,7 @@ class Llama(nnx.Module):
             return jax.vmap(lambda *qkv: reference_attention(*qkv, sliding_window=cfg.sliding_window))(q, k, v)
 
         def one_layer(layer, x, index):
-            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, kernels)[0]
+            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, kernels, lora_mask)[0]
 
         return self.logits(self._scan_layers(one_layer, x), kernels)
 

@@ -37,7 +37,8 @@ import random
 import time
 from typing import Iterable, Sequence as Seq
 
-from jaxserve.kv.allocator import PageAllocator, page_hashes
+from jaxserve.kv.allocator import PageAllocator, adapter_salt, page_hashes
+from jaxserve.lora.slots import AdapterSlots
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 
@@ -72,6 +73,7 @@ class ScheduledSequence:
     pages: tuple[int, ...]  # the sequence's pages (its block-table row)
     prompt_logprobs: bool  # score this chunk's prompt tokens
     draft_token_ids: tuple[int, ...] = ()  # proposals: the last num_draft_tokens query tokens (verify rows)
+    lora_slot: int = 0  # device slot of the sequence's LoRA adapter (0 = none)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -99,6 +101,7 @@ class StepPlan:
     new_slots: tuple[SlotAssignment, ...]
     num_tokens: int
     waiting_for_pages: bool = False  # a sequence was preempted, or a waiting one not admitted, for lack of pages
+    lora_loads: tuple[tuple[int, int], ...] = ()  # (slot, adapter id): adapters to write before this step runs
 
     @property
     def is_decode(self) -> bool:
@@ -163,11 +166,12 @@ class Scheduler:
     tokens to follow seq.token_ids, e.g. jaxserve.spec.ngram.NgramProposer."""
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, eos_token_ids: Iterable[int] = (),
-                 clock=time.monotonic, seed: int = 0, proposer=None):
+                 clock=time.monotonic, seed: int = 0, proposer=None, adapter_slots: AdapterSlots | None = None):
         self.config = config
         self.proposer = proposer if config.num_speculative_tokens > 0 else None
         self.speculation = SpeculationCounts()
         self.allocator = allocator
+        self.adapter_slots = adapter_slots  # LoRA: which adapter holds which device slot (None: no LoRA)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.waiting: list[Sequence] = []  # sorted by queue_key
@@ -183,15 +187,18 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> list[Sequence]:
-        """Queues a validated request (jaxserve.validation) as params.n sequences."""
+                    arrival_time: float | None = None, priority: int = 0, lora_id: int = 0) -> list[Sequence]:
+        """Queues a validated request (jaxserve.validation) as params.n sequences, run with LoRA adapter
+        `lora_id` (0: none)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_id and self.adapter_slots is None:
+            raise ValueError("this scheduler has no LoRA adapter slots")
         prompt = list(prompt_token_ids)
         max_len = self._max_len(len(prompt), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         seqs = [Sequence(next(self._seq_ids), request_id, i, params, list(prompt), len(prompt), max_len,
-                         self._seed(params, i), arrival, priority) for i in range(params.n)]
+                         self._seed(params, i), arrival, priority, lora_id=lora_id) for i in range(params.n)]
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
@@ -287,8 +294,9 @@ class Scheduler:
         preempted = self._schedule_running(budget, scheduled, self.speculating)
         out_of_pages = preempted or self._schedule_waiting(budget, scheduled, new_slots)
         plan_seqs = tuple(scheduled.values())
+        loads = self.adapter_slots.take_loads() if self.adapter_slots is not None else ()
         return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs),
-                        out_of_pages)
+                        out_of_pages, loads)
 
     @property
     def speculating(self) -> bool:
@@ -335,9 +343,9 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget.has_room() and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[index]
-            if seq.num_pending_tokens:  # preempted while a step was in flight: wait for its token
-                index += 1
-                continue
+            if seq.num_pending_tokens or not self._adapter_available(seq):
+                index += 1  # preempted while a step was in flight (wait for its token), or its adapter waits
+                continue  # for a device slot: later requests may go first
             if not self._admit(seq, budget):
                 return True
             self.waiting.pop(index)
@@ -350,7 +358,7 @@ class Scheduler:
         """Gives a waiting sequence cached prefix pages, pages for its first chunk and a slot; False if no room."""
         page_size = self.config.page_size
         if not seq.pages:
-            seq.page_hashes = page_hashes(seq.token_ids, page_size, seq.page_hashes)
+            seq.page_hashes = page_hashes(seq.token_ids, page_size, seq.page_hashes, adapter_salt(seq.lora_id))
             reusable = 0 if seq.wants_prompt_logprobs else (len(seq.token_ids) - 1) // page_size
             seq.pages = self.allocator.lookup_prefix(seq.page_hashes, reusable)
             seq.num_registered_pages = len(seq.pages)
@@ -362,8 +370,17 @@ class Scheduler:
             return False
         seq.status = SequenceStatus.RUNNING
         seq.slot = self._free_slots.pop()
+        if seq.lora_id:
+            seq.lora_slot = self.adapter_slots.acquire(seq.lora_id)
         self.running.append(seq)
         return True
+
+    def _adapter_available(self, seq: Sequence) -> bool:
+        return not seq.lora_id or self.adapter_slots.can_acquire(seq.lora_id)
+
+    def num_sequences_with_adapter(self, lora_id: int) -> int:
+        """Unfinished sequences (running or waiting) that run with adapter `lora_id`."""
+        return sum(1 for seq in self.sequences.values() if seq.lora_id == lora_id and not seq.is_finished)
 
     def _advance(self, seq: Sequence, num_new: int, budget: "_Budget",
                  drafts: tuple[int, ...] = ()) -> ScheduledSequence:
@@ -381,7 +398,7 @@ class Scheduler:
         prompt_logprobs = seq.wants_prompt_logprobs and first < seq.num_prompt_tokens
         return ScheduledSequence(seq.seq_id, seq.request_id, seq.index, seq.params, seq.slot, num_new,
                                  seq.num_computed_tokens + len(drafts), sample, tuple(seq.pages), prompt_logprobs,
-                                 drafts)
+                                 drafts, seq.lora_slot)
 
     def _release_forks(self, leader: Sequence) -> None:
         """Siblings of a request share the leader's full prompt pages and recompute only the remainder."""
@@ -424,6 +441,9 @@ class Scheduler:
         seq.pages, seq.num_registered_pages, seq.num_computed_tokens = [], 0, 0
         self._free_slots.append(seq.slot)
         seq.slot = 0
+        if seq.lora_id:
+            self.adapter_slots.release(seq.lora_id)
+            seq.lora_slot = 0
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Indexes the pages whose tokens are all known on the host and whose K/V are (being) computed."""
@@ -431,7 +451,8 @@ class Scheduler:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // page_size
         if num_full <= seq.num_registered_pages:
             return
-        seq.page_hashes = page_hashes(seq.token_ids[:num_full * page_size], page_size, seq.page_hashes[:num_full])
+        seq.page_hashes = page_hashes(seq.token_ids[:num_full * page_size], page_size, seq.page_hashes[:num_full],
+                                      adapter_salt(seq.lora_id))
         first = seq.num_registered_pages
         self.allocator.register_full_pages(seq.pages[first:num_full], seq.page_hashes[first:num_full])
         seq.num_registered_pages = num_full
@@ -518,6 +539,12 @@ class Scheduler:
         slots = [s.slot for s in self.running]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
         assert len(slots) + len(self._free_slots) == self.config.num_slots - 1
+        if self.adapter_slots is not None:
+            self.adapter_slots.check_invariants()
+            for adapter_id in self.adapter_slots.loaded:
+                users = [s for s in self.running if s.lora_id == adapter_id]
+                assert self.adapter_slots.refcount(adapter_id) == len(users), f"adapter {adapter_id} refcount"
+                assert all(s.lora_slot == self.adapter_slots.slot_of(adapter_id) for s in users)
 
 
 class _Budget:

@@ -48,6 +48,8 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     fork_parent: "Sequence | None" = None  # a sibling waiting to share this sequence's prompt pages
+    lora_id: int = 0  # the LoRA adapter it runs with (jaxserve.lora.registry id; 0 = none)
+    lora_slot: int = 0  # that adapter's device slot while RUNNING; 0 otherwise
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
     POST /v1/completions        completions.py        GET /v1/models     the served model (models.py)
                                                       GET /v1/models/{id}, GET /tokenizer_info  (models.py)
     POST /v1/chat/completions   chat.py               GET /health        200 while the engine runs, else 503
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter  lora.py (with --allow-runtime-lora-updating)
     POST /tokenize              text/messages -> ids  GET /metrics       Prometheus (metrics.py)
     POST /detokenize            ids -> text           GET /openapi.json  openapi.py
                                                       GET /dashboard     live plots (dashboard.py), polling
@@ -25,6 +26,7 @@ from jaxserve.server.completions import create_completion
 from jaxserve.server.dashboard import dashboard, dashboard_data
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import check_model, read_json, run_tokenizer
+from jaxserve.server.lora import load_lora_adapter, unload_lora_adapter
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.middleware import ApiKeys, Gatekeeper, RequestContext
 from jaxserve.server.models import list_models, retrieve_model, tokenizer_info
@@ -91,6 +93,8 @@ ROUTES = (
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     Route("/tokenize", tokenize_route, methods=["POST"]),
     Route("/detokenize", detokenize_route, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

@@ -41,14 +41,16 @@ async def create_chat_completion(request: Request) -> Response:
     server = server_of(request)
     body = parse_request(ChatCompletionRequest, await read_json(request))
     check_chat_request(body)
-    check_model(server, body.model)
+    adapter = check_model(server, body.model)
     tools = chat_tools(body)
     constraint, field = chat_constraint(body, tools)
     prompt = await run_tokenizer(chat_prompt, server, body)
     view = ChatView(server, body, [prompt], tools, tool_parser(server, tools))
+    view.model_name = adapter or server.model_name
     params = chat_params(body, server.sampling_defaults, constraint, view.parser)
     streams = await submit(server, view.id, [prompt], params, body.stream,
-                           lambda i: {"prompt": "messages", "max_tokens": body.max_tokens_field, **field_names(field)})
+                           lambda i: {"prompt": "messages", "max_tokens": body.max_tokens_field, **field_names(field)},
+                           lora_name=adapter)
     return await respond(request, view, streams)
 
 

@@ -19,6 +19,7 @@ from jaxserve.server.config import ServerConfig
 
 DEFAULT_MODEL = "checkpoints/demo"
 API_KEY_ENV = "JAXSERVE_API_KEY"
+RUNTIME_LORA_ENV = ("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 log = logging.getLogger("jaxserve.server")
 
@@ -37,7 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     keys = tuple(args.api_key or ()) or (env_str(API_KEY_ENV),)
-    return config_from_args(ServerConfig, args, api_key=tuple(key for key in keys if key) or None)
+    runtime_lora = args.allow_runtime_lora_updating or any(
+        (env_str(name) or "").lower() in ("1", "true") for name in RUNTIME_LORA_ENV)
+    return config_from_args(ServerConfig, args, api_key=tuple(key for key in keys if key) or None,
+                            allow_runtime_lora_updating=runtime_lora)
 
 
 def model_dir(args: argparse.Namespace) -> Path:

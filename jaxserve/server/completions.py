@@ -32,13 +32,14 @@ async def create_completion(request: Request) -> Response:
     server = server_of(request)
     body = parse_request(CompletionRequest, await read_json(request))
     check_completion_request(body, server.config.max_prompts_per_request)
-    check_model(server, body.model)
+    adapter = check_model(server, body.model)
     prompts = await run_tokenizer(completion_prompts, server, body)
     view = CompletionView(server, body, prompts)
+    view.model_name = adapter or server.model_name
     constraint, field = structured_outputs(body)
     params = completion_params(body, server.sampling_defaults, constraint)
     streams = await submit(server, view.id, prompts, params, body.stream,
-                           lambda i: {"prompt": prompt_param(body, i), **field_names(field)})
+                           lambda i: {"prompt": prompt_param(body, i), **field_names(field)}, lora_name=adapter)
     return await respond(request, view, streams)
 
 

@@ -27,6 +27,7 @@ class ServerConfig:
     log_format: str = "text"  # text | json (one JSON object per line, for log shippers)
     access_log: bool = True  # one line per request, with its X-Request-Id
     tool_call_parser: str | None = None  # tool-call syntax parsed for tool_choice auto: hermes | llama3_json | mistral (default: the model family's)
+    allow_runtime_lora_updating: bool = False  # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; also $JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING or $VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)
 
     def __post_init__(self):
         from jaxserve.structured.tools import PARSERS

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from jaxserve.engine.client import EngineDeadError, QueueFullError, RequestStream
 from jaxserve.outputs import OutputKind
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.errors import bad_request, service_unavailable, too_many_requests
+from jaxserve.server.errors import APIError, bad_request, service_unavailable, too_many_requests
 from jaxserve.server.protocol import SamplingFields
 from jaxserve.server.state import ServerState
 from jaxserve.server.streaming import close_all
@@ -62,10 +62,16 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
-def check_model(server: ServerState, model: str | None) -> None:
-    if model is not None and model not in server.model_names:
-        raise bad_request(f"model {model!r} is not served here; this server serves {', '.join(server.model_names)}",
-                          param="model", code="model_not_found")
+def check_model(server: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (None: the base model); an unknown name is OpenAI's 404 model_not_found."""
+    if model is None or model in server.model_names:
+        return None
+    adapters = [info.name for info in server.engine.loras()]
+    if model in adapters:
+        return model
+    served = ", ".join([*server.model_names, *adapters])
+    raise APIError(404, f"The model `{model}` does not exist: this server serves {served}", param="model",
+                   code="model_not_found")
 
 
 async def run_tokenizer(function: Callable, *args, **kwargs):
@@ -99,8 +105,8 @@ def _same_names(index: int) -> Mapping[str, str]:
 
 
 async def submit(server: ServerState, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                 stream: bool, field_names: Callable[[int], Mapping[str, str]] = _same_names
-                 ) -> list[RequestStream]:
+                 stream: bool, field_names: Callable[[int], Mapping[str, str]] = _same_names,
+                 lora_name: str | None = None) -> list[RequestStream]:
     """One engine request per prompt, all accepted or none (those already accepted are aborted). A streamed
     response gets deltas, any other only each request's final output. The engine client validates each
     (jaxserve.validation); `field_names(i)` maps its field names to the request's own for prompt i
@@ -111,7 +117,8 @@ async def submit(server: ServerState, request_id: str, prompts: Sequence[Prompt]
         for i, prompt in enumerate(prompts):
             try:
                 streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt.token_ids, params,
-                                                               prompt_text=prompt.text, kind=kind))
+                                                               prompt_text=prompt.text, kind=kind,
+                                                               lora_name=lora_name))
             except InvalidRequestError as exc:
                 raise exc.renamed(field_names(i)) from None
     except BaseException as exc:

@@ -112,10 +112,10 @@ class ServerMetrics:
             self.requests_rejected.labels(model_name, reason)
 
     # ---- events -------------------------------------------------------------------------------------------------
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_finished(self, output: RequestOutput, model_name: str | None = None) -> None:
         """A request's final output (every sample finished): each sample counts as one of vLLM's child
-        requests; n and the longest sample once per request."""
-        name = self.model_name
+        requests; n and the longest sample once per request. `model_name`: the LoRA adapter it ran with."""
+        name = model_name or self.model_name
         prompt_len = len(output.prompt_token_ids)
         samples = output.metrics.samples if output.metrics is not None else ()
         for index, sample in enumerate(output.outputs):
@@ -125,14 +125,13 @@ class ServerMetrics:
             self.request_prompt_tokens.labels(name).observe(prompt_len)
             self.request_generation_tokens.labels(name).observe(sample.num_tokens)
             if index < len(samples):
-                self._observe_latencies(output.metrics.arrival_time, samples[index], sample.num_tokens)
+                self._observe_latencies(output.metrics.arrival_time, samples[index], sample.num_tokens, name)
         self.params_n.labels(name).observe(len(output.outputs))
         self.max_generation_tokens.labels(name).observe(max((s.num_tokens for s in output.outputs), default=0))
 
-    def _observe_latencies(self, arrival: float, m: SampleMetrics, num_tokens: int) -> None:
+    def _observe_latencies(self, arrival: float, m: SampleMetrics, num_tokens: int, name: str) -> None:
         if m.first_token_time is None:
             return
-        name = self.model_name
         times = sample_times(arrival, m, num_tokens)
         for value, histogram in ((times.ttft, self.ttft), (times.tpot, self.request_tpot), (times.e2e, self.e2e),
                                  (times.queue, self.queue_time)):
@@ -239,6 +238,8 @@ class EngineStateCollector:
         yield self._iteration_tokens(labels)
         yield _gauge("jaxserve:engine_alive", "1 while the engine loop runs, 0 once it has died.",
                      int(self.engine.is_alive), labels)
+        yield _gauge("jaxserve:lora_adapters_loaded", "LoRA adapters requests may name (requests per adapter: "
+                     "the request counters' model_name label).", len(self.engine.loras()), labels)
         yield _counter("jaxserve:num_preemptions", "Sequences preempted (recomputed later).", stats.num_preemptions,
                        labels)
         yield _counter("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

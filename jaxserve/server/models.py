@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.server.errors import APIError
+from jaxserve.server.lora import adapter_models
 from jaxserve.server.state import ServerState, server_of
 from jaxserve.tokenizer.files import TOKENIZER_CONFIG, chat_templates_in, read_json
 
@@ -34,13 +35,18 @@ def model_card(server: ServerState, name: str) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
+    """The served names, then the loaded LoRA adapters (parent: the base model)."""
     server = server_of(request)
-    return JSONResponse({"object": "list", "data": [model_card(server, name) for name in listed_names(server)]})
+    cards = [model_card(server, name) for name in listed_names(server)] + adapter_models(server)
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def retrieve_model(request: Request) -> Response:
     server = server_of(request)
     name = request.path_params["model_id"]
+    adapter = next((card for card in adapter_models(server) if card["id"] == name), None)
+    if adapter is not None:
+        return JSONResponse(adapter)
     if name not in server.model_names:
         raise APIError(404, f"the model {name!r} does not exist; this server serves "
                             f"{', '.join(listed_names(server))}", param="model", code="model_not_found")

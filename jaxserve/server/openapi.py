@@ -11,8 +11,9 @@ from pydantic.json_schema import models_json_schema
 
 from jaxserve import __version__
 from jaxserve.server.protocol import (REQUEST_MODELS, RESPONSE_MODELS, ChatCompletionRequest, Completion,
-                                      CompletionRequest, DetokenizeRequest, Detokenized, Error, Health, ModelList,
-                                      TokenizeRequest, Tokenized)
+                                      CompletionRequest, DetokenizeRequest, Detokenized, Error, Health,
+                                      LoadLoraAdapterRequest, ModelList, TokenizeRequest, Tokenized,
+                                      UnloadLoraAdapterRequest)
 
 REF = "#/components/schemas/{model}"
 
@@ -49,6 +50,12 @@ OPERATIONS = (
               errors=(400, 401, 408, 413, 500, 503)),
     Operation("/detokenize", "post", "Token ids to text", ref(Detokenized), DetokenizeRequest,
               errors=(400, 401, 408, 413, 500, 503)),
+    Operation("/v1/load_lora_adapter", "post", "Load a LoRA adapter (needs --allow-runtime-lora-updating)",
+              {"type": "string"}, LoadLoraAdapterRequest, errors=(400, 401, 404, 408, 413, 503),
+              media_type="text/plain"),
+    Operation("/v1/unload_lora_adapter", "post", "Unload a LoRA adapter (needs --allow-runtime-lora-updating)",
+              {"type": "string"}, UnloadLoraAdapterRequest, errors=(400, 401, 404, 408, 409, 413, 503),
+              media_type="text/plain"),
     Operation("/health", "get", "200 while the engine runs; 503 while it restarts, once it died or hung, or while "
               "the server drains", ref(Health),
               needs_key=False, errors=(503,)),
@@ -114,8 +121,9 @@ def _operation_id(op: Operation) -> str:
 ERROR_DESCRIPTIONS = {
     400: "invalid request; error.param names the field",
     401: "missing or wrong API key (when the server has one)",
-    404: "no such model is served here",
+    404: "unknown model or LoRA adapter, or runtime LoRA updating is off",
     408: "the request body did not arrive within the body timeout",
+    409: "the LoRA adapter is in use by unfinished requests",
     413: "request body over the size limit",
     429: "waiting queue full; retry after the Retry-After header's seconds",
     500: "the engine failed while generating, or an internal error (JSON with the x-request-id)",

@@ -286,7 +286,25 @@ class DetokenizeRequest(RequestModel):
     tokens: list[TokenId]
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+NonEmptyString = Annotated[str, Field(min_length=1)]
+
+
+class LoadLoraAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: NonEmptyString
+    lora_path: NonEmptyString = Field(description="a PEFT adapter directory on the server's file system")
+
+
+class UnloadLoraAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and ignored: names identify adapters)."""
+
+    lora_name: NonEmptyString
+    lora_int_id: int | None = None
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                  LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 
 
 # ---- responses (documented in /openapi.json) ----------------------------------------------------------------

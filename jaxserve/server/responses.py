@@ -44,6 +44,7 @@ class ResponseView:
         self.prompts = prompts
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.model_name = server.model_name  # or the LoRA adapter the request named
         self._finished: set[int] = set()  # choices whose last chunk has been streamed
 
     # ---- what subclasses provide ----------------------------------------------------------------------------
@@ -68,12 +69,12 @@ class ResponseView:
     def response(self, finals: Sequence[RequestOutput]) -> dict:
         choices = [self.choice(p, output, sample) for p, output in enumerate(finals) for sample in output.outputs]
         return {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.server.model_name, "choices": sorted(choices, key=lambda c: c["index"]),
+                "model": self.model_name, "choices": sorted(choices, key=lambda c: c["index"]),
                 "usage": self.usage(finals)}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         payload = {"id": self.id, "object": f"{self.object_name}.chunk" if self.object_name.startswith("chat")
-                   else self.object_name, "created": self.created, "model": self.server.model_name,
+                   else self.object_name, "created": self.created, "model": self.model_name,
                    "choices": choices}
         if self.body.include_usage:
             payload["usage"] = usage
@@ -128,10 +129,10 @@ class ResponseView:
 async def respond(request: Request, view: ResponseView, streams: list[RequestStream]) -> Response:
     server = view.server
     if view.body.stream:
-        return EventStreamResponse(view.events(observed(server, streams)),
+        return EventStreamResponse(view.events(observed(server, streams, view.model_name)),
                                    on_close=lambda: release(server, streams, view.body.n))
     try:
-        finals = await until_disconnect(request, collect(server, streams))
+        finals = await until_disconnect(request, collect(server, streams, view.model_name))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is there to read it
     finally:
@@ -142,18 +143,19 @@ async def respond(request: Request, view: ResponseView, streams: list[RequestStr
     return JSONResponse(view.response(finals))
 
 
-async def observed(server: ServerState, streams: Sequence[RequestStream]
+async def observed(server: ServerState, streams: Sequence[RequestStream], model_name: str | None = None
                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """merge_streams, recording each finished request in the metrics."""
+    """merge_streams, recording each finished request in the metrics (under `model_name`: the adapter's)."""
     async for index, output in merge_streams(streams):
         if output.finished and output.error is None:
-            server.metrics.observe_finished(output)
+            server.metrics.observe_finished(output, model_name)
         yield index, output
 
 
-async def collect(server: ServerState, streams: Sequence[RequestStream]) -> list[RequestOutput]:
+async def collect(server: ServerState, streams: Sequence[RequestStream], model_name: str | None = None
+                  ) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
-    async for index, output in observed(server, streams):
+    async for index, output in observed(server, streams, model_name):
         if output.finished:
             finals[index] = output
     return finals  # type: ignore[return-value]
