@@ -27,7 +27,7 @@ from jaxserve.engine.multihost import StepMessage, decode, encode
 from jaxserve.engine.placement import param_layout
 from jaxserve.engine.replicas import ReplicaRouter, least_loaded
 from jaxserve.engine.runner import StepInputs, model_step
-from jaxserve.engine.sampler import slot_row
+from jaxserve.engine.sampler import NUM_FLAGS, slot_row
 from jaxserve.kv.cache import CACHE_AXES, KVCache
 from jaxserve.models.kernels import Kernels
 from jaxserve.models.llama import abstract_model
@@ -123,7 +123,7 @@ def test_step_messages_round_trip():
             (1, slot_row([8], 1, SamplingParams(), 4, (2,), 8191))]
     inputs = StepInputs(np.array([[4, 5, 0, 0], [6, 0, 0, 0]], np.int32), np.array([3, 1], np.int32),
                         np.array([0, 3, 4], np.int32), np.array([3, 1], np.int32), np.array([True, True]),
-                        np.zeros(6, bool), np.array([0, 2], np.int32))
+                        np.zeros(NUM_FLAGS, bool), np.array([0, 2], np.int32))
     payload = encode(StepMessage(rows, StepShape("prefill", 16, 2, 4), inputs, True))
     assert len(payload) < 16_000  # ~25 small arrays; the token rows' zero padding (2 x 32 KiB) does not travel
     message = decode(payload)
@@ -132,7 +132,7 @@ def test_step_messages_round_trip():
         np.testing.assert_array_equal(getattr(message.inputs, name), getattr(inputs, name))
         assert getattr(message.inputs, name).dtype == getattr(inputs, name).dtype
     big = StepInputs(np.zeros((256, 512), np.int32), *(np.zeros(256, np.int32) for _ in range(2)),
-                     np.zeros(256, np.int32), np.zeros(256, bool), np.zeros(6, bool), np.zeros(256, np.int32))
+                     np.zeros(256, np.int32), np.zeros(256, bool), np.zeros(NUM_FLAGS, bool), np.zeros(256, np.int32))
     big.block_tables[:3, :2] = 7
     payload = encode(StepMessage([], StepShape("decode", 256, 256, 512), big, False))
     assert len(payload) < 8000  # the zero padding of a large bucket's block tables does not travel
