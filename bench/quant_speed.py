@@ -39,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout
 
+from jaxserve.models.linear import gather_columns  # noqa: E402
 from jaxserve.quant import schemes  # noqa: E402
 from jaxserve.observability.ceilings import ProbeSize, measure_copy_bandwidth  # noqa: E402
 from pallas_kernels import quant_matmul as qm  # noqa: E402
@@ -127,7 +128,7 @@ def _act_order(x, arrays, scheme):
     """(x with act-order's column gather applied, the arrays the matmul takes)."""
     if schemes.parse(scheme).act_order:
         *arrays, perm = arrays
-        x = jnp.take(x, perm, axis=1)
+        x = gather_columns(x, perm)
     return x, arrays
 
 

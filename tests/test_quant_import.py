@@ -193,8 +193,10 @@ def _prompts(vocab: int, count: int = 3) -> list[list[int]]:
     return [rng.integers(0, vocab, int(n)).tolist() for n in (1, 13, 30)[:count]]
 
 
-@pytest.mark.parametrize("name", ["gptq4_asym_desc_act", "gptq8_asym_g32", "awq4_g32", "ct_w4a16_asym_g64",
-                                  "ct_w8a16_channel", "fp8_blocks", "ct_fp8_channel", "gptq4_channel_lm_head"])
+# One case per kernel variant in the default run (~50 s each on a loaded 2-core machine); the rest are `slow`.
+@pytest.mark.parametrize("name", ["gptq4_asym_desc_act", "awq4_g32", "fp8_blocks", *[
+    pytest.param(n, marks=pytest.mark.slow) for n in ("gptq8_asym_g32", "ct_w4a16_asym_g64", "ct_w8a16_channel",
+                                                      "ct_fp8_channel", "gptq4_channel_lm_head")]])
 def test_engine_greedy_tokens_equal_the_dequantized_float_model(imported, name):
     out, _, _ = imported(name)
     model = load_model(out, dtype="float32")

@@ -75,7 +75,7 @@ def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, kernels: 
     out_dims = weight.values[...].shape[contract:]
     x2 = x.reshape(-1, k)
     if weight.perm is not None:  # act-order: the rows are stored sorted by group, so x's columns follow them
-        x2 = jnp.take(x2, weight.perm[...], axis=1)
+        x2 = gather_columns(x2, weight.perm[...])
     operands = (x2, values, scales) + (() if weight.zeros is None else
                                        (schemes.scales_matrix(weight.zeros[...], scheme),))
     matmul = functools.partial(kernels.matmul, scheme=scheme)
@@ -83,6 +83,13 @@ def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, kernels: 
         matmul = _split_like_the_weight(matmul, weight, len(operands))
     out = matmul(*operands)
     return out.reshape(x.shape[:x.ndim - contract] + tuple(out_dims))
+
+
+def gather_columns(x: jax.Array, perm: jax.Array) -> jax.Array:
+    """x[:, perm], written as a row gather of x.T: XLA:CPU cannot run a bfloat16 dot (float32 result) whose
+    operand is a column gather ("Unsupported element type for DotThunk"), and the two transposes of M x K
+    activations cost nothing next to the weight read."""
+    return jnp.take(x.T, perm, axis=0).T
 
 
 def _split_like_the_weight(matmul, weight: QuantizedWeight, num_operands: int):
