@@ -86,10 +86,10 @@ def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, kernels: 
 
 
 def gather_columns(x: jax.Array, perm: jax.Array) -> jax.Array:
-    """x[:, perm], written as a row gather of x.T: XLA:CPU cannot run a bfloat16 dot (float32 result) whose
-    operand is a column gather ("Unsupported element type for DotThunk"), and the two transposes of M x K
-    activations cost nothing next to the weight read."""
-    return jnp.take(x.T, perm, axis=0).T
+    """x[:, perm], materialized (optimization_barrier) rather than fused into the product: XLA:CPU cannot run a
+    bfloat16 dot (float32 result) whose operand is a fused gather ("Unsupported element type for DotThunk"), and
+    a transposed gather there runs the dot ~1.5x slower. A Pallas kernel takes a materialized operand anyway."""
+    return jax.lax.optimization_barrier(jnp.take(x, perm, axis=1))
 
 
 def _split_like_the_weight(matmul, weight: QuantizedWeight, num_operands: int):
