@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Speed of weight-only quantization on a GPU: the W8A16 / W4A16 Pallas matmul against the bfloat16 XLA dot,
-and end-to-end decode tokens/s of the engine per scheme.
+"""Speed of weight-only quantization on a GPU: the W8A16 / W4A16 / WFP8A16 Pallas matmul (with zero points,
+act-order and fp8 groups: the imported formats) against the bfloat16 XLA dot and Hopper's native FP8 dot, and
+end-to-end decode tokens/s of the engine per scheme.
 
     python bench/quant_speed.py --out quant.json                 # matmul rows + end-to-end (a GPU)
     python bench/quant_speed.py --only sweep                     # launch-config sweep at M = 16
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import statistics
@@ -37,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout
 
+from jaxserve.models.linear import gather_columns  # noqa: E402
 from jaxserve.quant import schemes  # noqa: E402
 from jaxserve.observability.ceilings import ProbeSize, measure_copy_bandwidth  # noqa: E402
 from pallas_kernels import quant_matmul as qm  # noqa: E402
@@ -91,7 +94,14 @@ def weight_copies(make, nbytes: int, setup: Setup) -> list:
     return [make(i) for i in range(min(count, setup.chain))]
 
 
-def impls(k: int, n: int, setup: Setup) -> dict:
+# Kernel rows per scheme (jaxserve.quant.schemes names): the formats `--quantize` writes and the imported ones
+# (zero points, act-order, fp8 per channel and in 128-row groups).
+MAIN_IMPLS = ("bf16_dot", "w8a16_pallas", "w4a16_pallas", "w8a16_xla", "w4a16_xla")
+KERNEL_ROWS = {"w8a16": "int8", "w4a16": "int4", "w4a16_zp": "int4-g128-zp", "w4a16_zp_act": "int4-g128-zp-act",
+               "w8a16_zp": "int8-g128-zp", "wfp8a16": "fp8", "wfp8a16_g128": "fp8-g128"}
+
+
+def impls(k: int, n: int, setup: Setup, rows: tuple[str, ...] | None = None) -> dict:
     """name -> (fn(x, *weight), make_weight(i), weight bytes)."""
     def random_weight(i):
         return jax.random.normal(jax.random.key(i), (k, n), jnp.float32) * 0.02
@@ -102,22 +112,50 @@ def impls(k: int, n: int, setup: Setup) -> dict:
 
     out = {"bf16_dot": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
                         lambda i: (random_weight(i).astype(jnp.bfloat16),), 2 * k * n)}
-    for scheme, nbytes in (("int8", k * n + 4 * n), ("int4", k * n // 2 + 4 * n * k // schemes.group_size(k))):
-        out[f"w{scheme[3:]}a16_pallas"] = (
-            lambda x, v, s, scheme=scheme: qm.quant_matmul(x, v, s, scheme=scheme, out_dtype=x.dtype,
-                                                           interpret=setup.interpret),
-            quantized(scheme), nbytes)
-        out[f"w{scheme[3:]}a16_xla"] = (
-            lambda x, v, s, scheme=scheme: schemes.xla_matmul(x, v, s, scheme).astype(x.dtype),
-            quantized(scheme), nbytes)
+    for row, scheme in KERNEL_ROWS.items():
+        if rows is not None and row not in rows:
+            continue
+        nbytes = schemes.layout((k, n), ("embed", "mlp"), 1, scheme).nbytes
+        out[f"{row}_pallas"] = (functools.partial(_pallas_call, scheme=scheme, interpret=setup.interpret),
+                                quantized(scheme), nbytes)
+        out[f"{row}_xla"] = (functools.partial(_xla_call, scheme=scheme), quantized(scheme), nbytes)
+    if (rows is None or "wfp8a16" in rows) and not setup.interpret:  # a GPU's FP8 tensor cores
+        out["wfp8afp8_xla_dot"] = (_native_fp8_dot, quantized("fp8"), k * n + 4 * n)
     return out
 
 
-def bench_matmul(setup: Setup, copy_bw: float):
+def _act_order(x, arrays, scheme):
+    """(x with act-order's column gather applied, the arrays the matmul takes)."""
+    if schemes.parse(scheme).act_order:
+        *arrays, perm = arrays
+        x = gather_columns(x, perm)
+    return x, arrays
+
+
+def _pallas_call(x, *arrays, scheme, interpret):
+    x, arrays = _act_order(x, arrays, scheme)
+    return qm.quant_matmul(x, *arrays, scheme=schemes.parse(scheme).kind, out_dtype=x.dtype, interpret=interpret)
+
+
+def _xla_call(x, *arrays, scheme):
+    x, (values, scales, *zeros) = _act_order(x, arrays, scheme)
+    return schemes.xla_matmul(x, values, scales, scheme, *zeros).astype(x.dtype)
+
+
+def _native_fp8_dot(x, values, scales):
+    """Hopper's FP8 tensor-core dot (XLA: cuBLASLt): x quantized to e4m3 per tensor on the fly (W8A8; the
+    numerics differ from the weight-only path: this row is the speed bound FP8 activations would buy)."""
+    x_scale = jnp.maximum(jnp.abs(x).max().astype(jnp.float32), 1e-12) / schemes.FP8_MAX
+    x8 = (x.astype(jnp.float32) / x_scale).astype(jnp.float8_e4m3fn)
+    out = jnp.dot(x8, values, preferred_element_type=jnp.float32)
+    return (out * (scales * x_scale)[None, :]).astype(x.dtype)
+
+
+def bench_matmul(setup: Setup, copy_bw: float, kernel_rows: tuple[str, ...] = ("w8a16", "w4a16")):
     for (k, n), m in itertools.product(setup.shapes, setup.ms):
         x = jax.random.normal(jax.random.key(99), (m, k), jnp.float32).astype(jnp.bfloat16)
         rows = {}
-        for name, (fn, make, nbytes) in impls(k, n, setup).items():
+        for name, (fn, make, nbytes) in impls(k, n, setup, kernel_rows).items():
             weights = weight_copies(make, nbytes, setup)
             seconds = chained_seconds(fn, x, weights, setup)
             rows[name] = dict(section="matmul", impl=name, m=m, k=k, n=n, us=seconds * 1e6, weight_bytes=nbytes,
@@ -217,12 +255,23 @@ def summarize(results: dict) -> list[str]:
     if matmul:
         lines += ["", "| M | K x N | bf16 dot us | W8A16 us (x) | W4A16 us (x) | W8A16 % copy bw | W8 XLA us |",
                   "|---|---|---|---|---|---|---|"]
+    variants = []
     for (m, k, n), group in itertools.groupby(matmul, key=lambda r: (r["m"], r["k"], r["n"])):
         by = {r["impl"]: r for r in group}
+        variants += [r for name, r in by.items() if name not in MAIN_IMPLS]
+        if "w8a16_pallas" not in by or "w4a16_pallas" not in by:
+            continue
         w8, w4 = by["w8a16_pallas"], by["w4a16_pallas"]
         lines.append(f"| {m} | {k}x{n} | {by['bf16_dot']['us']:.1f} | {w8['us']:.1f} ({w8['speedup_vs_bf16']:.2f}x) "
                      f"| {w4['us']:.1f} ({w4['speedup_vs_bf16']:.2f}x) | {100 * w8['frac_copy_bw']:.0f}% "
                      f"| {by['w8a16_xla']['us']:.1f} |")
+    if variants:
+        lines += ["", "imported formats (jaxserve.convert.quantized):", "",
+                  "| M | K x N | kernel | scheme | us | vs bf16 dot | % copy bw |", "|---|---|---|---|---|---|---|"]
+        for r in variants:
+            row = r["impl"].rsplit("_", 1)[0].removesuffix("_xla")
+            lines.append(f"| {r['m']} | {r['k']}x{r['n']} | {r['impl']} | {KERNEL_ROWS.get(row, 'fp8 (W8A8)')} | "
+                         f"{r['us']:.1f} | {r['speedup_vs_bf16']:.2f}x | {100 * r['frac_copy_bw']:.0f}% |")
     small = [r["speedup_vs_bf16"] for r in matmul if r["impl"] == "w8a16_pallas" and r["m"] <= 16]
     if small:
         ok = min(small) >= TARGETS["w8a16_speedup_m16"]
@@ -279,6 +328,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs at M = 16")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the tables of saved runs and exit")
     ap.add_argument("--e2e-schemes", nargs="+", default=["bf16", "int8", "int4", "int8+kv-int8"])
+    ap.add_argument("--rows", nargs="+", choices=tuple(KERNEL_ROWS), default=["w8a16", "w4a16"],
+                    help="kernel rows of the matmul section (default: the formats --quantize writes)")
+    ap.add_argument("--ms", nargs="+", type=int, help="token counts M of the matmul section (default 1 16 64 256)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", help="write results (JSON) after every section")
@@ -287,12 +339,14 @@ def main(argv=None) -> dict:
     if args.summarize:
         return summarize_files(args.summarize, args.markdown)
     setup = SMOKE if args.smoke else GPU
+    if args.ms:
+        setup = dataclasses.replace(setup, ms=tuple(args.ms))
     copy_bw = copy_bandwidth(setup)
     device = jax.devices()[0]
     results = dict(device=device.device_kind, copy_bandwidth_GBps=copy_bw / 1e9, setup=dataclasses.asdict(setup))
     print(f"device: {device.device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     if args.only in (None, "matmul"):
-        record(results, bench_matmul(setup, copy_bw), args.out)
+        record(results, bench_matmul(setup, copy_bw, tuple(args.rows)), args.out)
     if args.only in (None, "e2e"):
         record(results, bench_e2e(args, args.e2e_schemes, copy_bw), args.out)
     if args.sweep or args.only == "sweep":

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig, env_str, model_config_from_hf
+from jaxserve.convert import quantized
 from jaxserve.engine.buckets import engine_buckets
 from jaxserve.engine.memory import KVPlan, plan_kv_cache, wanted_pages
 from jaxserve.engine.placement import abstract_on_mesh, engine_mesh, kv_cache_shardings, model_sharder
@@ -273,8 +274,11 @@ def activation_bytes(cfg: ModelConfig, engine: EngineConfig, max_len: int, items
 
 
 def schemes_bits(cfg: ModelConfig, dtype: str) -> float:
-    """Bits per parameter the rule of thumb uses: the decoder's scheme (8 or 4), else the float dtype's."""
-    return {"int8": 8, "int4": 4}.get(cfg.quantization or "", 8 * jnp.dtype(dtype).itemsize)
+    """Bits per parameter the rule of thumb uses: the decoder's scheme (8 for int8 / fp8, 4 for int4), else the
+    float dtype's."""
+    if cfg.quantization is None:
+        return 8 * jnp.dtype(dtype).itemsize
+    return 4 if schemes.parse(cfg.quantization).kind == "int4" else 8
 
 
 # ---- the command --------------------------------------------------------------------------------------------
@@ -342,7 +346,13 @@ def load_model_config(path: str | Path) -> ModelConfig:
     data = json.loads(path.read_text())
     if "model" in data and "architecture" in data["model"]:
         return ModelConfig.from_json(data["model"])
-    return model_config_from_hf(data)
+    return imported_quantization(model_config_from_hf(data), data, path)
+
+
+def imported_quantization(cfg: ModelConfig, hf_config: dict, path: Path) -> ModelConfig:
+    """A quantized Hugging Face checkpoint's config with the scheme `jaxserve convert` would import it as."""
+    scheme = quantized.scheme_from_config(hf_config, path)
+    return cfg if scheme is None else dataclasses.replace(cfg, quantization=scheme[0], lm_head_quantization=scheme[1])
 
 
 # ---- the report -------------------------------------------------------------------------------------------------

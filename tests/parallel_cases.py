@@ -113,6 +113,8 @@ def data_parallel(dp: int, tp: int) -> dict:
 
 GQA = ModelConfig(**{**MODEL.__dict__, "num_kv_heads": 2})  # 2 KV heads: split on 2 devices, whole on 4
 INT8 = ModelConfig(**{**MODEL.__dict__, "quantization": "int8", "lm_head_quantization": "int8"})
+# imported formats: int4 with zero points and act-order (GPTQ desc_act), an fp8 LM head
+ZP_ACT = ModelConfig(**{**MODEL.__dict__, "quantization": "int4-g32-zp-act", "lm_head_quantization": "fp8"})
 
 CASES = {
     "reference": lambda: {"tokens": reference(model())},
@@ -128,6 +130,9 @@ CASES = {
     "int8_reference": lambda: {"tokens": reference(model(INT8))},
     "int8_tp2": lambda: tensor_parallel(2, INT8),
     "int8_pallas_tp2": lambda: tensor_parallel(2, INT8, matmul="pallas"),
+    "zp_act_reference": lambda: {"tokens": reference(model(ZP_ACT))},
+    "zp_act_tp2": lambda: tensor_parallel(2, ZP_ACT),
+    "zp_act_pallas_tp2": lambda: tensor_parallel(2, ZP_ACT, matmul="pallas"),
 }
 
 

@@ -355,6 +355,21 @@ def test_every_layout_matches_its_single_device_reference():
     assert int8["lm_head/scales"]["spec"] == ["model"]
 
 
+@pytest.mark.slow
+def test_imported_formats_under_tensor_parallelism_match_the_single_device_run():
+    """int4 with zero points and act-order (the x gather before a K-split row-parallel weight), an fp8 LM head:
+    zeros split with their scales, the permutation stays whole, tokens equal the single-device run."""
+    r = run_cases("zp_act_reference", "zp_act_tp2", "zp_act_pallas_tp2")
+    assert r["zp_act_tp2"]["tokens"] == r["zp_act_reference"]["tokens"]
+    assert r["zp_act_pallas_tp2"]["tokens"] == r["zp_act_reference"]["tokens"]
+    weights = r["zp_act_tp2"]["weights"]
+    for name in ("wq", "wo", "w_down"):
+        assert weights[f"layers/{name}/zeros"]["spec"] == weights[f"layers/{name}/scales"]["spec"], name
+        assert weights[f"layers/{name}/perm"]["spec"] == [None, None], name
+    assert weights["layers/w_down/scales"]["spec"] == [None, "model", None]
+    assert weights["lm_head/values"]["spec"] == [None, "model"] and weights["lm_head/scales"]["spec"] == ["model"]
+
+
 # ---- CUDA lowering -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [StepShape("decode", 8, 8, 4), StepShape("prefill", 32, 4, 4)], ids=str)
 def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch, shape):

@@ -73,3 +73,13 @@ def test_speed_smoke_times_every_matmul_and_summarizes(speed, tmp_path, capsys):
     assert merged["rows"] == json.loads(out.read_text())["rows"]
     assert "W8A16 at M <= 16" in markdown.read_text()
     assert "bf16 dot us" in capsys.readouterr().out
+
+
+def test_speed_smoke_times_the_imported_formats(speed):
+    rows = ("w4a16_zp", "w4a16_zp_act", "w8a16_zp", "wfp8a16", "wfp8a16_g128")
+    results = speed.main(["--smoke", "--only", "matmul", "--rows", *rows])
+    impls = {r["impl"] for r in results["rows"]}
+    assert impls == {"bf16_dot"} | {f"{row}_{path}" for row in rows for path in ("pallas", "xla")}
+    assert all(r["us"] > 0 for r in results["rows"])
+    summary = "\n".join(speed.summarize(results))
+    assert "imported formats" in summary and "| w4a16_zp_act_pallas | int4-g128-zp-act |" in summary

@@ -1,4 +1,5 @@
-"""Quantized kernels: the W8A16 / W4A16 matmul and the attention kernels over int8 / fp8 KV caches.
+"""Quantized kernels: the W8A16 / W4A16 / WFP8A16 matmul (zero points, groups, per channel) and the attention
+kernels over int8 / fp8 KV caches.
 
 Interpret mode on CPU against the pure-jnp references (JAXSERVE_KERNEL_INTERPRET=0 runs them compiled on a GPU,
 as bench/gpu_check.sh does), the model's kernels bundle (Pallas == XLA), CUDA cross-lowering for an
@@ -14,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxserve.config import env_str
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import attention
 from jaxserve.models.kernels import Kernels
-from jaxserve.models.linear import QuantizedWeight, dense
+from jaxserve.models.linear import QuantizedWeight, dense, gather_columns
 from jaxserve.quant import kv, schemes
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import quant_matmul as qm
@@ -89,6 +91,50 @@ def test_kernel_reference_reads_the_format_jaxserve_quant_writes(rng):
                                       schemes.dequantize(values, scales, 1, scheme))
 
 
+# Imported formats (jaxserve.convert.quantized): zero points (int4 / int8), explicit groups, per-channel int4,
+# grouped int8, fp8 per channel and per group; split-K and masked rows again; both ways int4 reads x.
+VARIANT_CASES = [
+    ("int4-g32-zp", 3, 256, 64, "bfloat16", None),
+    ("int4-g64-zp", 20, 512, 128, "bfloat16", qm.MatmulConfig(block_m=32, block_k=64, splits=2)),
+    ("int4-ch", 5, 256, 64, "bfloat16", None),
+    ("int4-ch-zp", 70, 256, 64, "float32", None),
+    ("int8-g32-zp", 5, 256, 64, "bfloat16", None),
+    ("int8-g64", 33, 384, 96, "bfloat16", None),
+    ("int8-ch-zp", 1, 256, 64, "float32", None),
+    ("fp8", 1, 256, 64, "bfloat16", None),
+    ("fp8-g32", 17, 512, 128, "bfloat16", qm.MatmulConfig(block_k=32, splits=2)),
+    ("fp8", 70, 256, 128, "float32", None),
+]
+
+
+def _variant_operands(rng, scheme, k, n):
+    w = rng.standard_normal((k, n)).astype(np.float32) * rng.uniform(0.5, 2, (1, n)).astype(np.float32)
+    w += rng.uniform(-0.5, 0.5, (1, n)).astype(np.float32)  # off-centre columns: the zero points matter
+    arrays = schemes.quantize_arrays(w, 1, scheme)
+    return arrays["values"], arrays["scales"], arrays.get("zeros")
+
+
+@pytest.mark.parametrize("scheme, m, k, n, dtype, config", VARIANT_CASES)
+def test_quant_matmul_variants_match_reference(rng, scheme, m, k, n, dtype, config):
+    values, scales, zeros = _variant_operands(rng, scheme, k, n)
+    kind = schemes.parse(scheme).kind
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    out = _jit(qm.quant_matmul, scheme=kind, interpret=INTERPRET, config=config)(x, values, scales, zeros)
+    ref = qm.quant_matmul_reference(x, values, scales, zeros, scheme=kind)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+    np.testing.assert_allclose(schemes.xla_matmul(x, values, scales, scheme, zeros), ref, rtol=2e-2,
+                               atol=1e-2 * float(jnp.abs(ref).max()))
+    np.testing.assert_array_equal(qm.dequantize_reference(values, scales, kind, zeros),
+                                  schemes.dequantize(values, scales, 1, scheme, zeros=zeros))
+
+
+def test_matmul_refuses_zeros_that_are_not_shaped_like_the_scales(rng):
+    values, scales, zeros = _variant_operands(rng, "int4-g32-zp", 128, 64)
+    with pytest.raises(ValueError, match="zeros"):
+        qm.quant_matmul(jnp.zeros((2, 128), jnp.bfloat16), values, scales, zeros[:1], scheme="int4")
+
+
 def test_matmul_refuses_tiles_the_triton_dot_cannot_take():
     x, values, scales = jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((128, 40), jnp.int8), jnp.ones(40)
     with pytest.raises(ValueError, match="block_n"):
@@ -110,7 +156,8 @@ def test_config_heuristic_fills_an_h200(m, k, n, splits):
         assert config.splits == splits and programs >= 132, (scheme, config)
 
 
-@pytest.mark.parametrize("scheme", schemes.SCHEMES)
+@pytest.mark.parametrize("scheme", [*schemes.SCHEMES, "int4-g32-zp-act", "int8-g32-zp", "fp8", "fp8-g32-act",
+                                    "int4-ch"])
 def test_dense_dispatch_pallas_equals_xla(rng, scheme):
     """dense() on QuantizedWeights of every contraction form the model uses (wq, wo with 2 dims, w_down)."""
     cases = [((64, 4, 16), ("embed", "heads", "head_dim"), 1, (2, 7, 64), "...te,ehd->...thd"),
@@ -118,13 +165,27 @@ def test_dense_dispatch_pallas_equals_xla(rng, scheme):
              ((128, 64), ("mlp", "embed"), 1, (7, 128), "...tf,fe->...te")]
     for shape, axes, contract, x_shape, spec in cases:
         w = rng.standard_normal(shape).astype(np.float32)
-        weight = QuantizedWeight(*schemes.quantize(w, contract, scheme), schemes.layout(shape, axes, contract, scheme),
-                                 scheme, contract)
+        weight = QuantizedWeight.from_arrays(schemes.quantize_arrays(w, contract, scheme),
+                                             schemes.layout(shape, axes, contract, scheme), scheme, contract)
+        if schemes.parse(scheme).act_order:  # rows really stored out of order, undone by dequantize
+            assert not np.array_equal(np.asarray(weight.perm[...]), np.arange(weight.perm.shape[0]))
         x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
         expected = jnp.einsum(spec, x, weight.dequantize())
         for impl in ("xla", "pallas"):
             got = dense(x, weight, spec, kernels=Kernels.resolve("xla", impl))
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(jnp.abs(expected).max()))
+
+
+def test_act_order_runs_in_bfloat16_on_the_xla_path(rng):
+    """The act-order gather feeding a bfloat16 dot (XLA:CPU rejects a column gather there: gather_columns)."""
+    scheme = "int4-g32-zp-act"
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    weight = QuantizedWeight.from_arrays(schemes.quantize_arrays(w, 1, scheme),
+                                         schemes.layout((128, 64), ("mlp", "embed"), 1, scheme), scheme, 1)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    got = nnx.jit(lambda weight, x: dense(x, weight, "...tf,fe->...te", out_dtype=jnp.float32))(weight, x)
+    expected = jnp.dot(x.astype(jnp.float32), weight.dequantize(), precision="highest")
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * float(jnp.abs(expected).max()))
 
 
 def test_dense_refuses_a_spec_that_is_not_a_matrix_product(rng):
@@ -230,6 +291,41 @@ def test_matmul_lowers_for_h200(scheme, m, k, n):
     assert (call["num_warps"], call["num_stages"]) == (config.num_warps, config.num_stages)
 
 
+VALUE_AVALS = {"int8": ("i8", jnp.int8), "int4": ("ui8", jnp.uint8), "fp8": ("f8E4M3FN", jnp.float8_e4m3fn)}
+
+
+def _lower_variant(kind, m, k, n, group, zero_point, act_order=False):
+    """The kernel variant as the model calls it: act-order gathers x's columns first (an XLA gather)."""
+    rows = k // 2 if kind == "int4" else k
+    values = jax.ShapeDtypeStruct((rows, n), VALUE_AVALS[kind][1])
+    scales = jax.ShapeDtypeStruct((n,) if group is None else (k // group, n), jnp.float32)
+    extra = (jax.ShapeDtypeStruct(scales.shape, jnp.bfloat16),) if zero_point else ()
+    perm = (_i32(k),) if act_order else ()
+
+    def fn(x, values, scales, *rest):
+        if act_order:
+            x, rest = gather_columns(x, rest[-1]), rest[:-1]
+        return qm.quant_matmul(x, values, scales, *rest, scheme=kind, out_dtype=jnp.bfloat16)
+    return lower_for_h200(fn, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), values, scales, *extra, *perm)
+
+
+VARIANTS = [("int4", 128, True, False), ("int4", 128, True, True), ("int4", None, False, False),
+            ("int8", 128, True, False), ("fp8", None, False, False), ("fp8", 128, False, False)]
+
+
+@pytest.mark.parametrize("kind, group, zero_point, act_order", VARIANTS)
+@pytest.mark.parametrize("m", [1, 256])
+def test_matmul_variants_lower_for_h200(kind, group, zero_point, act_order, m):
+    k, n = 4096, 14336
+    [call] = triton_calls(_lower_variant(kind, m, k, n, group, zero_point, act_order))
+    rows = k // 2 if kind == "int4" else k
+    assert f"tensor<{rows}x{n}x{VALUE_AVALS[kind][0]}>" in call["operand_types"], "weights reach the kernel as stored"
+    scales = f"tensor<{n}xf32>" if group is None else f"tensor<{k // group}x{n}xf32>"
+    assert scales in call["operand_types"]
+    assert (scales.replace("f32", "bf16") in call["operand_types"]) == zero_point
+    assert "tt.dot" in call["module"] and "inputPrecision = tf32" not in call["module"]
+
+
 @pytest.mark.parametrize("cache_dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("kernel", ["decode", "ragged"])
 def test_attention_over_quantized_cache_lowers_for_h200(cache_dtype, kernel):
@@ -263,6 +359,11 @@ SM90_CASES = {  # name -> lowering
     "w8a16_m256": lambda: _lower_matmul("int8", 256, 4096, 14336),
     "w4a16_m16": lambda: _lower_matmul("int4", 16, 14336, 4096),
     "w4a16_m256": lambda: _lower_matmul("int4", 256, 4096, 14336),
+    "w4a16_zp_g128_m16": lambda: _lower_variant("int4", 16, 14336, 4096, 128, True),
+    "w4a16_zp_g128_m256": lambda: _lower_variant("int4", 256, 4096, 14336, 128, True),
+    "w8a16_zp_g128_m16": lambda: _lower_variant("int8", 16, 14336, 4096, 128, True),
+    "wfp8a16_m16": lambda: _lower_variant("fp8", 16, 14336, 4096, None, False),
+    "wfp8a16_g128_m256": lambda: _lower_variant("fp8", 256, 4096, 14336, 128, False),
     "decode_int8_kv": lambda: _lower_quantized_attention("decode", jnp.int8),
     "decode_fp8_kv": lambda: _lower_quantized_attention("decode", jnp.float8_e4m3fn),
 }

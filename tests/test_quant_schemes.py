@@ -174,3 +174,56 @@ def test_weight_specs_contract_dims_lead_every_quantized_weight():
     for path, spec in weight_specs(TINY).items():
         if spec.contract:
             assert spec.axes[1 if path.startswith("layers/") else 0] in ("embed", "heads", "mlp"), path
+
+
+# ---------------------------------------------------------------------------------------------- imported formats
+
+@pytest.mark.parametrize("name, fmt", [
+    ("int8", schemes.Format("int8", None)), ("int4", schemes.Format("int4", schemes.AUTO_GROUP)),
+    ("fp8", schemes.Format("fp8", None)), ("int4-g128-zp-act", schemes.Format("int4", 128, True, True)),
+    ("int4-ch", schemes.Format("int4", None)), ("int8-g64-zp", schemes.Format("int8", 64, True)),
+    ("int8-ch-zp", schemes.Format("int8", None, True)), ("fp8-g128", schemes.Format("fp8", 128))])
+def test_scheme_names_parse_and_print_back(name, fmt):
+    assert schemes.parse(name) == fmt and fmt.name == name
+
+
+@pytest.mark.parametrize("bad", ["int3", "int4-g24", "fp8-zp", "int8-ch-act", "int4-g32-zp-zp", "int4-x", "int4-zp",
+                                 ""])
+def test_scheme_names_jaxserve_cannot_store_are_refused(bad):
+    with pytest.raises(schemes.QuantizationError, match="scheme"):
+        schemes.parse(bad)
+
+
+IMPORTED = ["int4-g32-zp", "int8-g32-zp", "int4-ch", "int4-ch-zp", "int8-ch-zp", "fp8", "fp8-g32",
+            "int4-g32-zp-act", "int8-g64"]
+
+
+@pytest.mark.parametrize("scheme", IMPORTED)
+def test_imported_formats_round_trip_within_their_step_and_match_their_layout(scheme):
+    fmt = schemes.parse(scheme)
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((4, 32, 48)) + rng.uniform(-1, 1, (1, 1, 48))).astype(np.float32)  # contract 2
+    arrays = schemes.quantize_arrays(w, 2, scheme)
+    layout = schemes.layout(w.shape, ("heads", "head_dim", "embed"), 2, scheme)
+    assert {k: (v.shape, jnp.dtype(v.dtype)) for k, v in arrays.items()} == layout.arrays()
+    assert layout.nbytes == sum(np.asarray(v).nbytes for v in arrays.values())
+    back = np.asarray(schemes.dequantize(arrays["values"], arrays["scales"], 2, scheme, zeros=arrays.get("zeros"),
+                                         perm=arrays.get("perm")))
+    step = np.asarray(arrays["scales"], np.float32).reshape(-1, 48).max()
+    if fmt.kind == "fp8":
+        np.testing.assert_allclose(back, w, rtol=2 ** -4, atol=step * 2 ** -9)
+    elif fmt.kind == "int4" and not fmt.zero_point:  # symmetric int4 clips up to 30% of a group's range
+        assert np.abs(back - w).max() <= 0.5 * step + 0.3 * np.abs(w).max()
+    else:
+        assert np.abs(back - w).max() <= 0.5 * step * (1 + 1e-5)
+    if fmt.act_order:
+        assert sorted(np.asarray(arrays["perm"]).tolist()) == list(range(4 * 32))
+
+
+def test_zero_points_reach_the_asymmetric_range():
+    """An all-positive group uses all 16 levels (zero at the bottom), a symmetric one only 15."""
+    w = np.linspace(0.0, 1.5, 64, dtype=np.float32).reshape(64, 1) * np.ones((1, 16), np.float32)
+    arrays = schemes.quantize_arrays(w, 1, "int4-g32-zp")
+    values = np.asarray(schemes.unpack_int4(arrays["values"]))
+    assert values.min() == -8 and values.max() == 7
+    np.testing.assert_array_equal(np.asarray(arrays["zeros"], np.float32), -8)

@@ -9,7 +9,8 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", metavar="HF_DIR",
                         help="Hugging Face model folder: config.json, *.safetensors, tokenizer files (or a float "
-                             "jaxserve checkpoint, to write a --quantize'd copy of it)")
+                             "jaxserve checkpoint, to write a --quantize'd copy of it). GPTQ, AWQ, "
+                             "compressed-tensors and FP8 checkpoints are imported in their own format")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the jaxserve checkpoint (new or empty)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="dtype to store the weights in (default: config.json's; float16 becomes bfloat16)")
@@ -18,19 +19,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scales) or int4 (groups of 128 along the input dim); embeddings and norms stay float")
     parser.add_argument("--quantize-lm-head", choices=("int8", "int4"), default=None,
                         help="also quantize an untied LM head (default: keep it in --dtype)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="read a quantized checkpoint (GPTQ, AWQ, compressed-tensors, FP8) as float: store its "
+                             "dequantized weights in --dtype, or re-quantize them with --quantize (by default such a "
+                             "checkpoint is imported in its own format, never dequantized)")
     parser.add_argument("--force", action="store_true",
                         help="replace the jaxserve checkpoint in a non-empty OUT_DIR")
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxserve.checkpoint import read_metadata
     from jaxserve.convert import ConvertError, convert
     from jaxserve.logs import configure_logging
     configure_logging("info")  # progress: a bar on a terminal, a line every few seconds elsewhere
     try:
         out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, quantize=args.quantize,
-                      quantize_lm_head=args.quantize_lm_head)
+                      quantize_lm_head=args.quantize_lm_head, dequantize=args.dequantize)
     except ConvertError as e:
         print(f"jaxserve convert: error: {e}", file=sys.stderr)
         return 1
+    imported = read_metadata(out).get("imported_quantization")
+    if imported:
+        how = "dequantized to float" if imported["dequantized"] else f"stored as {imported['scheme']}"
+        dropped = f"; {imported['dropped']} dropped: runs them at 16 bits" if imported["dropped"] else ""
+        print(f"imported {imported['source']}, {how}{dropped}")
     print(f"wrote {out}")
     return 0

@@ -10,6 +10,11 @@ an untied LM head) are preallocated in their quantized layout, `<path>/values` a
 tensor (one layer of one weight) is quantized as it is read, so peak memory is the quantized model plus one
 tensor. The schemes are recorded in jaxserve.json's model config: loading needs no flag. A float jaxserve
 checkpoint (one with jaxserve.json, e.g. the demo model) can be the source too: it is loaded and quantized whole.
+
+An already quantized checkpoint (GPTQ, AWQ, compressed-tensors, FP8: jaxserve.convert.quantized) is imported in
+its own format: the reader is wrapped so that each quantized Linear looks like its float `.weight`, and
+`read_params` takes its arrays already in jaxserve's layout. With `dequantize` it is read as float instead (and
+may then be re-quantized with `quantize`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from jaxserve.checkpoint import TOKENIZER_FILES, load_model, model_params_numpy, read_metadata, save_checkpoint
 from jaxserve.config import ConfigError, ModelConfig, model_config_from_hf
+from jaxserve.convert import quantized
 from jaxserve.convert.hf_source import CONFIG, ConvertError, HFSource, TensorReader, open_source
 from jaxserve.convert.names import Target, expected_tensors, is_ignored
 from jaxserve.logs import progress as show_progress
@@ -37,26 +43,69 @@ CHECKPOINT_ENTRIES = ("params", "jaxserve.json", *TOKENIZER_FILES)  # what save_
 
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, force: bool = False,
-            progress: bool = True, quantize: str | None = None, quantize_lm_head: str | None = None) -> Path:
+            progress: bool = True, quantize: str | None = None, quantize_lm_head: str | None = None,
+            dequantize: bool = False) -> Path:
     """Converts the Hugging Face model in `hf_dir` into `out_dir`; `dtype` defaults to the one in config.json.
     `quantize` ("int8" | "int4") stores the decoder projections weight-only quantized, `quantize_lm_head` the
-    untied LM head."""
+    untied LM head. A quantized checkpoint is imported as it is quantized, or as float with `dequantize`."""
     if (Path(hf_dir) / "jaxserve.json").exists():
         return quantize_checkpoint(hf_dir, out_dir, dtype=dtype, force=force, quantize=quantize,
                                    quantize_lm_head=quantize_lm_head)
     source = open_source(hf_dir)
+    imported = quantized.source_quantization(source)
+    check_import_flags(source, imported, quantize or quantize_lm_head, dequantize)
     cfg = config_from_source(source, dtype, quantize, quantize_lm_head)
     out = Path(out_dir)
     check_output_dir(out, source.directory, force)
-    targets = expected_tensors(cfg)
+    extra = {"hf_config": source.config}
     with TensorReader(source) as reader:
+        if imported is not None:
+            reader = quantized.ImportedTensors(reader, imported, quantized.quantized_linears(expected_tensors(cfg)),
+                                               as_float=dequantize)
+            cfg = cfg if dequantize else imported_config(cfg, reader, source.directory)
+            extra["imported_quantization"] = imported_record(reader, dequantize)
+        targets = expected_tensors(cfg)
         check_tensor_names(reader.names, targets, cfg, source.directory)
         check_tensor_layouts(reader, targets, cfg)
         check_writable(out)
         params = read_params(reader, targets, cfg, progress)
     clear_previous_checkpoint(out)
     return save_checkpoint(out, cfg, params, tokenizer_dir=source.directory, generation=source.generation,
-                           extra={"hf_config": source.config})
+                           extra=extra)
+
+
+def check_import_flags(source: HFSource, imported: quantized.SourceQuantization | None, requantize: str | None,
+                       dequantize: bool) -> None:
+    if imported is None and dequantize:
+        raise ConvertError(f"{source.directory} is not a quantized checkpoint; --dequantize applies to GPTQ, AWQ, "
+                           f"compressed-tensors and FP8 checkpoints.")
+    if imported is not None and requantize and not dequantize:
+        raise ConvertError(f"{source.directory} is already quantized ({imported.describe()}); convert it as it is "
+                           f"(no --quantize), or pass --dequantize to re-quantize its dequantized weights.")
+
+
+def imported_config(cfg: ModelConfig, reader: quantized.ImportedTensors, hf_dir: Path) -> ModelConfig:
+    """cfg with the imported scheme: every decoder projection quantized alike, the LM head as the checkpoint has
+    it."""
+    targets = expected_tensors(cfg)
+    linears = quantized.quantized_linears(targets)
+    left_float = sorted(n for n in linears if targets[n].path != "lm_head" and not reader.is_quantized(n))
+    if left_float:
+        raise ConvertError(f"cannot import {hf_dir}: it leaves {_listing(left_float)} unquantized, and jaxserve "
+                           f"stores every decoder projection in one format; pass --dequantize to import it as a "
+                           f"float model.")
+    head = "lm_head.weight" if "lm_head.weight" in linears and reader.is_quantized("lm_head.weight") else None
+    try:
+        return quantized_config(cfg, reader.scheme, reader.scheme if head else None)
+    except schemes.QuantizationError as e:
+        raise ConvertError(f"cannot import {hf_dir}: {e}.") from None
+
+
+def imported_record(reader: quantized.ImportedTensors, dequantize: bool) -> dict:
+    """What jaxserve.json says about the source's quantization (the CLI prints it)."""
+    source = reader.source
+    return {"method": source.method, "source": source.describe(), "scheme": None if dequantize else reader.scheme,
+            "dequantized": dequantize, "dropped": source.dropped_activations}
 
 
 def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, *, dtype: str | None, force: bool,
@@ -175,18 +224,27 @@ def read_params(reader: TensorReader, targets: dict[str, Target], cfg: ModelConf
     in_file_order = sorted(targets, key=lambda name: (str(reader.shard(name)), name))
     for name in (show_progress(in_file_order, "converting", unit="tensor") if progress else in_file_order):
         target = targets[name]
-        weight = target.transform.apply(reader.read(name), target.shape)
         scheme = weight_scheme(target.path, specs[target.path], cfg)
+        if scheme is not None and isinstance(reader, quantized.ImportedTensors) and reader.stays_quantized(name):
+            _store_quantized(params, target, reader.read_quantized(name))  # already in jaxserve's format
+            continue
+        weight = target.transform.apply(reader.read(name), target.shape)
         if scheme is None:
             _destination(params, target.path, target.layer)[...] = weight
             continue
-        values, scales = _quantize(weight, contract=specs[target.path].contract, scheme=scheme)
-        _destination(params, f"{target.path}/values", target.layer)[...] = values
-        _destination(params, f"{target.path}/scales", target.layer)[...] = scales
+        _store_quantized(params, target, _quantize(weight, contract=specs[target.path].contract, scheme=scheme))
     return params
 
 
-_quantize = jax.jit(schemes.quantize, static_argnames=("contract", "scheme"))  # one tensor (one layer) at a time
+_quantize = jax.jit(schemes.quantize_arrays, static_argnames=("contract", "scheme"))  # one tensor (layer) at a time
+
+
+def _store_quantized(params: dict[str, np.ndarray], target: Target, arrays: dict) -> None:
+    """{"values", "scales", ...} of one weight (one layer), in any shape with the layout's size (the matrix view
+    reshapes into it) -> the preallocated `<path>/<leaf>` arrays."""
+    for leaf, array in arrays.items():
+        destination = _destination(params, f"{target.path}/{leaf}", target.layer)
+        destination[...] = np.asarray(array).reshape(destination.shape)
 
 
 def allocate_params(cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -205,8 +263,7 @@ def allocate_params(cfg: ModelConfig) -> dict[str, np.ndarray]:
 def _allocate_quantized(path: str, spec: WeightSpec, scheme: str) -> dict[str, np.ndarray]:
     stacked = 1 if path.startswith("layers/") else 0
     layout = schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked)
-    return {f"{path}/values": np.empty(layout.values_shape, layout.values_dtype),
-            f"{path}/scales": np.empty(layout.scales_shape, np.float32)}
+    return {f"{path}/{leaf}": np.empty(shape, dtype) for leaf, (shape, dtype) in layout.arrays().items()}
 
 
 def _destination(params: dict[str, np.ndarray], path: str, layer: int | None) -> np.ndarray:

@@ -22,7 +22,8 @@ Contracts (the model calls these inside shard_map, on the KV heads one device ho
 
     attention(q [T, H, D], cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window) -> [T, H, D]
         any mix of prompt chunks and decode tokens; decode_attention: the same for one query per sequence
-    matmul(x [M, K], values, scales, *, scheme) -> [M, N] float32     (quantized weight as its matrix view)
+    matmul(x [M, K], values, scales[, zeros], *, scheme) -> [M, N] float32   (quantized weight as its matrix view;
+        scheme: a jaxserve.quant.schemes name; act-order is applied to x before)
     stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32     (M <= stacked_rows)
 """
 
@@ -140,12 +141,12 @@ def _cpu_attention(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, 
                                scale=scale, sliding_window=sliding_window)
 
 
-def _xla_matmul(x, values, scales, *, scheme):
-    return schemes.xla_matmul(x, values, scales, scheme)
+def _xla_matmul(x, values, scales, zeros=None, *, scheme):
+    return schemes.xla_matmul(x, values, scales, scheme, zeros)
 
 
-def _pallas_matmul(x, values, scales, *, scheme):
-    return qm.quant_matmul(x, values, scales, scheme=scheme, interpret=_interpret())
+def _pallas_matmul(x, values, scales, zeros=None, *, scheme):
+    return qm.quant_matmul(x, values, scales, zeros, scheme=schemes.parse(scheme).kind, interpret=_interpret())
 
 
 _ATTENTION = {"xla": (_xla_ragged, _xla_decode), "pallas": (_pallas_ragged, _pallas_decode),

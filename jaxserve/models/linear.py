@@ -5,9 +5,10 @@
 Inside the layer scan a decode-sized product can take the layer's weight still stacked [layers, ...] with its
 `layer` index, when the kernels read stacked weights in place (`kernels.reads_stacked(rows)`, the C++ CPU kernel):
 then the weight is viewed as [layers, K, N] (a free reshape) and never sliced out. Otherwise a float weight is one
-einsum. A QuantizedWeight (int8 / int4, layouts in `jaxserve.quant.schemes`) is multiplied
-as a matrix: x's trailing `contract` dims are flattened to K, the weight is viewed as [K, N] (free reshapes),
-and the product runs through `kernels.matmul`, the kernel the engine chose once (jaxserve.models.kernels).
+einsum. A QuantizedWeight (int8 / int4 / fp8, with zero points and act-order where the scheme says; layouts in
+`jaxserve.quant.schemes`) is multiplied as a matrix: x's trailing `contract` dims are flattened to K, the weight is
+viewed as [K, N] (free reshapes), act-order gathers x's columns by the stored permutation, and the product runs
+through `kernels.matmul`, the kernel the engine chose once (jaxserve.models.kernels).
 """
 
 from __future__ import annotations
@@ -27,19 +28,37 @@ from jaxserve.quant.schemes import QuantizedLayout
 
 
 class QuantizedWeight(nnx.Module):
-    """A weight-only quantized weight: integer `values` and float32 `scales` (kept float32 when the model loads
-    in bfloat16: `keep_dtype`). `scheme` and `contract` are static. In DecoderLayers both arrays are stacked
-    [layers, ...]; inside the layer scan `dense` sees one layer's slice."""
+    """A weight-only quantized weight: `values` (int8, packed int4 or fp8), float32 `scales`, and where the scheme
+    has them bfloat16 `zeros` (asymmetric) and an int32 act-order `perm` [K] (layouts in jaxserve.quant.schemes).
+    Everything but values and perm is kept in its dtype when the model loads in another (`keep_dtype`). `scheme`
+    and `contract` are static. In DecoderLayers the arrays are stacked [layers, ...]; inside the layer scan
+    `dense` sees one layer's slice."""
 
-    def __init__(self, values: jax.Array, scales: jax.Array, layout: QuantizedLayout, scheme: str, contract: int):
-        self.values = nnx.Param(values, axes=layout.values_axes)
+    def __init__(self, values: jax.Array, scales: jax.Array, layout: QuantizedLayout, scheme: str, contract: int,
+                 zeros: jax.Array | None = None, perm: jax.Array | None = None):
+        self.values = nnx.Param(values, axes=layout.values_axes, keep_dtype=True)
         self.scales = nnx.Param(scales, axes=layout.scales_axes, keep_dtype=True)
+        self.zeros = None if zeros is None else nnx.Param(zeros, axes=layout.scales_axes, keep_dtype=True)
+        self.perm = None if perm is None else nnx.Param(perm, axes=layout.perm_axes)
         self.scheme = scheme
         self.contract = contract
 
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, jax.Array], layout: QuantizedLayout, scheme: str,
+                    contract: int) -> "QuantizedWeight":
+        """From schemes.quantize_arrays' (or the checkpoint's) {"values", "scales"[, "zeros"][, "perm"]}."""
+        return cls(arrays["values"], arrays["scales"], layout, scheme, contract, arrays.get("zeros"),
+                   arrays.get("perm"))
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The float weight (one layer's slice), e.g. for tests and the unquantized comparison."""
-        return schemes.dequantize(self.values[...], self.scales[...], self.contract, self.scheme, dtype)
+        """The float weight (one layer's slice, rows in the original order), e.g. for tests and the unquantized
+        comparison."""
+        return schemes.dequantize(self.values[...], self.scales[...], self.contract, self.scheme, dtype,
+                                  zeros=_value(self.zeros), perm=_value(self.perm))
+
+
+def _value(param):
+    return None if param is None else param[...]
 
 
 def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XLA, layer=None) -> jax.Array:
@@ -56,22 +75,28 @@ def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XL
 
 
 def _quantized_dense(x: jax.Array, weight: QuantizedWeight, spec: str, kernels: Kernels) -> jax.Array:
-    contract = weight.contract
+    contract, scheme = weight.contract, weight.scheme
     check_matrix_spec(spec, contract)
-    values, scales = schemes.matrix(weight.values[...], weight.scales[...], contract, weight.scheme)
-    k = values.shape[0] * (2 if weight.scheme == "int4" else 1)
-    out_dims = weight.scales.shape if weight.scheme == "int8" else weight.scales.shape[1:]
-    matmul = functools.partial(kernels.matmul, scheme=weight.scheme)
+    values, scales = schemes.matrix(weight.values[...], weight.scales[...], contract, scheme)
+    k = values.shape[0] * (2 if schemes.parse(scheme).kind == "int4" else 1)
+    out_dims = weight.values[...].shape[contract:]
+    x2 = x.reshape(-1, k)
+    if weight.perm is not None:  # act-order: the rows are stored sorted by group, so x's columns follow them
+        x2 = gather_columns(x2, weight.perm[...])
+    operands = (x2, values, scales) + (() if weight.zeros is None else
+                                       (schemes.scales_matrix(weight.zeros[...], scheme),))
+    matmul = functools.partial(kernels.matmul, scheme=scheme)
     if kernels.matmul_under_shard_map:
-        matmul = _split_like_the_weight(matmul, weight)
-    out = matmul(x.reshape(-1, k), values, scales)
+        matmul = _split_like_the_weight(matmul, weight, len(operands))
+    out = matmul(*operands)
     return out.reshape(x.shape[:x.ndim - contract] + tuple(out_dims))
 
 
 def read_in_place(weight) -> bool:
-    """Whether kernels.stacked_matmul takes this weight stacked: float weights and int8 ones (per-channel scales);
-    int4's grouped layout keeps the XLA path (sliced per layer)."""
-    return not isinstance(weight, QuantizedWeight) or weight.scheme == "int8"
+    """Whether kernels.stacked_matmul takes this weight stacked: float weights and symmetric per-channel int8 ones;
+    grouped, asymmetric, act-order and fp8 layouts keep the XLA path (sliced per layer)."""
+    return not isinstance(weight, QuantizedWeight) or (weight.scheme == "int8" and weight.zeros is None
+                                                       and weight.perm is None)
 
 
 def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None) -> jax.Array:
@@ -96,17 +121,25 @@ def contraction_dims(spec: str) -> int:
     return next((i for i, c in enumerate(rhs) if c not in lhs), len(rhs))
 
 
-def _split_like_the_weight(matmul, weight: QuantizedWeight):
+def gather_columns(x: jax.Array, perm: jax.Array) -> jax.Array:
+    """x[:, perm], materialized (optimization_barrier) rather than fused into the product: XLA:CPU cannot run a
+    bfloat16 dot (float32 result) whose operand is a fused gather ("Unsupported element type for DotThunk"), and
+    a transposed gather there runs the dot ~1.5x slower. A Pallas kernel takes a materialized operand anyway."""
+    return jax.lax.optimization_barrier(jnp.take(x, perm, axis=1))
+
+
+def _split_like_the_weight(matmul, weight: QuantizedWeight, num_operands: int):
     """Tensor parallelism for the Pallas kernel, which GSPMD cannot partition (it would gather the weight): the
     matrix product runs under shard_map, split on N like a column-parallel weight's outputs, or on K like a
     row-parallel weight's inputs, the partial products then summed. The matrix views split where their leading
-    logical axis does (heads of [heads, head_dim], ...); a weight splits on K or on N, never both."""
+    logical axis does (heads of [heads, head_dim], ...); a weight splits on K or on N, never both. Zeros split
+    like the scales."""
     axes = weight.values.get_metadata()["axes"]
     axes = axes[len(axes) - weight.values[...].ndim:]  # one layer's slice inside the layer scan: no "layers"
     k_axis, n_axis = axes[0], axes[weight.contract]
-    scales = P(n_axis) if weight.scheme == "int8" else P(k_axis, n_axis)
-    return shard_map_logical(matmul, in_specs=(P(None, k_axis), P(k_axis, n_axis), scales),
-                             out_specs=P(None, n_axis), sum_over=(k_axis,))
+    scales = P(n_axis) if schemes.parse(weight.scheme).group is None else P(k_axis, n_axis)
+    in_specs = (P(None, k_axis), P(k_axis, n_axis), scales, scales)[:num_operands]
+    return shard_map_logical(matmul, in_specs=in_specs, out_specs=P(None, n_axis), sum_over=(k_axis,))
 
 
 def check_matrix_spec(spec: str, contract: int) -> None:

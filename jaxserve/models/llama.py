@@ -101,9 +101,9 @@ def _weight(spec: WeightSpec, scheme: str | None, dtype, key: jax.Array | None, 
     value = _init(spec, dtype, key)
     if scheme is None:
         return nnx.Param(value, axes=spec.axes)
-    values, scales = schemes.quantize_stacked(value, spec.contract, scheme, stacked)
-    return QuantizedWeight(values, scales, schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked),
-                           scheme, spec.contract)
+    arrays = schemes.quantize_stacked(value, spec.contract, scheme, stacked)
+    return QuantizedWeight.from_arrays(arrays, schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked),
+                                       scheme, spec.contract)
 
 
 class DecoderLayers(nnx.Module):

@@ -2,7 +2,7 @@
 
     quantize_model(model, "int8")       a float Llama -> the same model with int8 projections (on device, one jit)
     quantized_config(cfg, "int4")       the ModelConfig that records the scheme (saved in jaxserve.json)
-    quantize_weight(w, spec, scheme)    one float weight (stacked or one layer) -> {"values", "scales"}
+    quantize_weight(w, spec, scheme)    one float weight (stacked or one layer) -> {"values", "scales", ...}
 
 `jaxserve convert --quantize` uses quantize_weight per Hugging Face tensor (one layer at a time), and
 quantize_model serves tests, benchmarks and random models; both reach the same arrays.
@@ -38,9 +38,9 @@ def quantized_config(cfg: ModelConfig, scheme: str | None, lm_head: str | None =
 
 
 def quantize_weight(w: jax.Array, spec: WeightSpec, scheme: str, stacked: int) -> dict[str, jax.Array]:
-    """A float weight whose first `stacked` dims are layers -> {"values", "scales"} (checkpoint leaf names)."""
-    values, scales = schemes.quantize_stacked(w, spec.contract, scheme, stacked)
-    return {"values": values, "scales": scales}
+    """A float weight whose first `stacked` dims are layers -> {"values", "scales"[, "zeros"][, "perm"]}
+    (checkpoint leaf names)."""
+    return schemes.quantize_stacked(w, spec.contract, scheme, stacked)
 
 
 def quantize_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
