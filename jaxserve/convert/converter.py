@@ -152,16 +152,20 @@ def read_params(reader: TensorReader, targets: dict[str, Target], cfg: ModelConf
     specs = weight_specs(cfg)
     in_file_order = sorted(targets, key=lambda name: (str(reader.shard(name)), name))
     for name in tqdm(in_file_order, desc="converting", unit="tensor", disable=not progress):
-        target = targets[name]
-        weight = target.transform.apply(reader.read(name), target.shape)
-        scheme = weight_scheme(target.path, specs[target.path], cfg)
-        if scheme is None:
-            _destination(params, target.path, target.layer)[...] = weight
-            continue
-        values, scales = _quantize(weight, contract=specs[target.path].contract, scheme=scheme)
-        _destination(params, f"{target.path}/values", target.layer)[...] = values
-        _destination(params, f"{target.path}/scales", target.layer)[...] = scales
+        for target, weight in targets[name].pieces(reader.read(name)):  # several for a fused tensor (Phi-3)
+            _store(params, target, weight, specs[target.path], cfg)
     return params
+
+
+def _store(params: dict[str, np.ndarray], target: Target, weight: np.ndarray, spec: WeightSpec,
+           cfg: ModelConfig) -> None:
+    scheme = weight_scheme(target.path, spec, cfg)
+    if scheme is None:
+        params[target.path][target.index] = weight
+        return
+    values, scales = _quantize(weight, contract=spec.contract, scheme=scheme)
+    params[f"{target.path}/values"][target.index] = values
+    params[f"{target.path}/scales"][target.index] = scales
 
 
 _quantize = jax.jit(schemes.quantize, static_argnames=("contract", "scheme"))  # one tensor (one layer) at a time
@@ -185,10 +189,6 @@ def _allocate_quantized(path: str, spec: WeightSpec, scheme: str) -> dict[str, n
     layout = schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked)
     return {f"{path}/values": np.empty(layout.values_shape, layout.values_dtype),
             f"{path}/scales": np.empty(layout.scales_shape, np.float32)}
-
-
-def _destination(params: dict[str, np.ndarray], path: str, layer: int | None) -> np.ndarray:
-    return params[path] if layer is None else params[path][layer]
 
 
 def _dimensions(cfg: ModelConfig) -> str:

@@ -73,6 +73,7 @@ class EngineCore:
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(model, self.sharder)
+        model.cfg = model.cfg.for_context(self.max_model_len)  # LongRoPE picks its factors once, for this length
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
@@ -93,7 +94,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.page_size), allocator, eos,
                                    seed=config.seed)
-        self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
+        window = model.cfg.sliding_window if model.cfg.layer_types is None else None  # mixed layers: count all
+        self.meter = StepMeter(window) if metered else NullMeter()
         self._in_flight: PendingStep | None = None
         self._log_ready()
 
