@@ -410,9 +410,9 @@ def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch, shap
     assert lowered.as_text().count("stablehlo.all_reduce") == 2  # o and down: partial products summed
 
 
-def test_moe_step_lowers_for_cuda_with_the_experts_split():
-    """A Mixtral-style step on an abstract pair of H200s: the grouped matmuls lower for CUDA inside the shard_map
-    over experts, where each device holds 2 of the 4 experts, and the experts' partial outputs are summed."""
+def test_moe_step_lowers_for_cuda_with_the_experts_split(monkeypatch):
+    """A Mixtral-style step on an abstract pair of H200s: the grouped matmuls lower for CUDA (XLA's ragged dot)
+    inside the shard_map over experts, where each device holds 2 of the 4 experts."""
     cfg = ModelConfig(**{**MODEL.__dict__, "architecture": "MixtralForCausalLM", "dtype": "bfloat16",
                          "num_experts": 4, "num_experts_per_tok": 2})
     graphdef, params = nnx.split(abstract_model(cfg, jnp.bfloat16))
@@ -422,6 +422,7 @@ def test_moe_step_lowers_for_cuda_with_the_experts_split():
     inputs = StepInputs(i32(4, 4), i32(4), i32(5), i32(4), jax.ShapeDtypeStruct((4,), jnp.bool_),
                         jax.ShapeDtypeStruct((6,), jnp.bool_))
     step = functools.partial(model_step, graphdef, shape=shape, page_size=16, kernels=Kernels.resolve("xla", "xla"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks the GPU's grouped matmul
     pair = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
     with jax.sharding.use_abstract_mesh(pair):
         lowered = jax.jit(step).trace(params, kv, i32(9, 129), inputs).lower(lowering_platforms=("cuda",))
