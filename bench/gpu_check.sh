@@ -59,6 +59,14 @@ if [[ "${QUANT:-1}" != "0" && -f bench/gpu_check_quant.sh ]]; then
 fi
 
 # ------------------------------------------------------------------------------------------------------------------
+# Model families (issue 17): Gemma's attention variants and the MoE grouped matmul compiled for the GPU, and a
+# Mixtral-shaped MoE row, in a separate script with its own budget (MOE_BUDGET_S, default 320 s), also runnable
+# alone: `bash bench/gpu_check_moe.sh`. MOE=0 skips it. Its files in $OUT start with moe_.
+if [[ "${MOE:-1}" != "0" && -f bench/gpu_check_moe.sh ]]; then
+  OUT="$OUT" PYTHON="$PY" bash bench/gpu_check_moe.sh
+fi
+
+# ------------------------------------------------------------------------------------------------------------------
 # Tensor parallelism (issue 9): only with more than one GPU, in a separate script with its own budget
 # (PARALLEL_BUDGET_S, default 300 s), also runnable alone: `bash bench/gpu_check_parallel.sh`. PARALLEL=0 skips it.
 # Its files in $OUT start with parallel_ / PARALLEL (see that script's header).

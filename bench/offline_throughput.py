@@ -10,6 +10,11 @@ weight_matmul_floor), the ratio between the two, and the share of wall time the 
     python bench/offline_throughput.py --preset small --batch-sizes 1 16 64
     python bench/offline_throughput.py --model checkpoints/demo --batch-sizes 8
     python bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 256 --out e2e.json   # GPU
+    python bench/offline_throughput.py --preset moe-small --batch-sizes 1 16 64   # a small random Mixtral-style MoE
+
+For a MoE preset the floor's MLP is the router plus, for each expert the batch's tokens are routed to, one dense
+gated MLP over exactly those tokens (routing of the floor's batch, fixed before compiling; bench/moe_grouped.py
+floor_fn): the matmuls of the experts actually hit, not every expert and no grouping overhead.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from jaxserve.engine import replicas
 from jaxserve.engine.engine import EngineCore, LLMEngine, resolve_dtype
 from jaxserve.engine.replicas import DataParallelCore
 from jaxserve.outputs import OutputKind
+from jaxserve.models import moe
 from jaxserve.models.linear import dense
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
+from moe_grouped import floor_fn  # bench/: the MoE floor (each expert hit over exactly its tokens)
 
 PRESETS = {
     # the peers' random Llamas (../shared/peers/make_models.py)
@@ -43,14 +50,22 @@ PRESETS = {
                   num_kv_heads=4),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, rope=RopeConfig(theta=500000.0)),
+    # Mixtral's routing (8 experts, top 2) at a size this CPU runs: 8 x 0.5M-parameter experts per layer
+    "moe-small": dict(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=512, intermediate_size=1024,
+                      num_layers=8, num_heads=8, num_kv_heads=4, num_experts=8, num_experts_per_tok=2),
+    # one Mixtral-8x7B-shaped model, cut to 4 layers (the GPU row of bench/gpu_check.sh)
+    "mixtral-layers": dict(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+                           intermediate_size=14336, num_layers=4, num_heads=32, num_kv_heads=8, num_experts=8,
+                           num_experts_per_tok=2, rope=RopeConfig(theta=1e6)),
 }
 
 
 def preset_config(name: str, dtype: str) -> ModelConfig:
     spec = dict(PRESETS[name])
     spec.setdefault("rope", RopeConfig())
-    return ModelConfig(architecture="LlamaForCausalLM", head_dim=spec["hidden_size"] // spec["num_heads"],
-                       max_position_embeddings=8192, dtype=dtype, **spec)
+    spec.setdefault("architecture", "LlamaForCausalLM")
+    return ModelConfig(head_dim=spec["hidden_size"] // spec["num_heads"], max_position_embeddings=8192, dtype=dtype,
+                       **spec)
 
 
 def build_engine(args) -> LLMEngine:
@@ -94,31 +109,43 @@ def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20, unstac
     By default the layers are scanned over the stacked weights, as the model runs them. `unstacked` copies each
     layer's weights into arrays of their own first and unrolls the loop: on XLA:CPU, whose dots cannot read a
     dynamic slice in place, that removes the per-layer weight copies a scan makes, so it is the true floor there
-    (it needs a second copy of the weights: CPU only)."""
+    (it needs a second copy of the weights: CPU only). A MoE model is always unrolled: each layer's expert
+    matmuls are sized by that layer's routing of x, fixed before compiling (bench/moe_grouped.py floor_fn)."""
     model = nnx.merge(engine.core.runner.graphdef, engine.core.runner.params)
     kernels = engine.core.kernels
     graphdef, stacked = nnx.split(model.layers)
+    cfg = engine.model_config
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, cfg.hidden_size)), model.dtype)
+    experts_hit = [floor_fn(np.asarray(moe.route(x, stacked["router"][...][i], cfg.num_experts_per_tok,
+                                                 cfg.norm_topk_prob)[0]), cfg.num_experts)
+                   for i in range(cfg.num_layers)] if cfg.is_moe else None
 
-    def one_layer(x, layer_state):
+    def mlp_matmuls(x, layer, index):
+        if cfg.is_moe:  # the router, then each expert this batch is routed to over exactly its tokens
+            router = jnp.dot(x, layer.router[...], preferred_element_type=jnp.float32)
+            return experts_hit[index](x, layer.we_gate[...], layer.we_up[...], layer.we_down[...]) + router.sum()
+        gate, up = (dense(x, w, "te,ef->tf", kernels=kernels) for w in (layer.w_gate, layer.w_up))
+        return dense(gate * up, layer.w_down, "tf,fe->te", kernels=kernels)
+
+    def one_layer(x, layer_state, index=None):
         layer = nnx.merge(graphdef, layer_state)
         q, k, v = (dense(x, w, "te,ehd->thd", kernels=kernels) for w in (layer.wq, layer.wk, layer.wv))
         attn = dense(q, layer.wo, "thd,hde->te", kernels=kernels)
-        gate, up = (dense(x, w, "te,ef->tf", kernels=kernels) for w in (layer.w_gate, layer.w_up))
-        mlp = dense(gate * up, layer.w_down, "tf,fe->te", kernels=kernels)
-        return x + attn + mlp + (k.sum() + v.sum()).astype(x.dtype), None
+        out = x + attn + mlp_matmuls(x, layer, index) + (k.sum() + v.sum()).astype(x.dtype)
+        return out.astype(x.dtype), None
 
     def scanned(x, stacked):
         return model.logits(jax.lax.scan(one_layer, x, stacked)[0], kernels)
 
     def unrolled(x, per_layer):
-        for layer_state in per_layer:
-            x, _ = one_layer(x, layer_state)
+        for index, layer_state in enumerate(per_layer):
+            x, _ = one_layer(x, layer_state, index)
         return model.logits(x, kernels)
 
+    unstacked = unstacked or cfg.is_moe
     weights = stacked
     if unstacked:
-        weights = [jax.tree.map(lambda w, i=i: jnp.array(w[i]), stacked) for i in range(engine.model_config.num_layers)]
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, engine.model_config.hidden_size)), model.dtype)
+        weights = [jax.tree.map(lambda w, i=i: jnp.array(w[i]), stacked) for i in range(cfg.num_layers)]
     fn = jax.jit(unrolled if unstacked else scanned)
     fn(x, weights).block_until_ready()
     times = []
@@ -189,7 +216,8 @@ def _generate(engine: LLMEngine, prompts, params, tag):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default="small", help="random Llama of this shape")
+    src.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                     help="random model of this shape (moe-*: Mixtral-style Mixture of Experts)")
     src.add_argument("--model", help="a converted jaxserve checkpoint instead of a random model")
     ap.add_argument("--dtype", default="bfloat16", help="stored weight dtype of the random model")
     ap.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization of the random model")

@@ -121,7 +121,7 @@ class Estimate:
             "decode_batch_step_s": max(decode_b.bytes / (tp * bw), decode_b.flops / (tp * flops)),
             "prefill_s_per_token": max(prefill.bytes / (tp * bw), prefill.flops / (tp * flops)) / ctx,
             "prefill_matmul_s_per_token": 2 * cost.matmul_params / (tp * flops),
-            "weights_read_s": cost.step_weight_bytes / (tp * bw),
+            "weights_read_s": cost.weights_read(1, 1) / (tp * bw),
         }
 
     def as_dict(self) -> dict:
@@ -268,7 +268,8 @@ def activation_bytes(cfg: ModelConfig, engine: EngineConfig, max_len: int, items
     t = engine.max_num_batched_tokens
     s = min(t, engine.max_num_seqs)
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    per_token = 2 * e + (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp + 3 * f // tp
+    routed = max(1, cfg.num_experts_per_tok)  # a MoE token's intermediates: one gated MLP per routed expert
+    per_token = 2 * e + (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp + 3 * f * routed // tp
     logits = 3 * s * cfg.vocab_size * 4
     return 2 * t * per_token * itemsize + logits  # x2: XLA keeps a step's inputs and outputs live at once
 
@@ -358,7 +359,9 @@ def imported_quantization(cfg: ModelConfig, hf_config: dict, path: Path) -> Mode
 # ---- the report -------------------------------------------------------------------------------------------------
 def report(e: Estimate) -> str:
     cfg, m = e.model, e.memory
-    lines = [f"{cfg.architecture}: {e.params / 1e9:.3g}B parameters, {cfg.num_layers} layers, hidden "
+    active = (f" ({cfg.num_params(active=True) / 1e9:.3g}B active: {cfg.num_experts_per_tok} of {cfg.num_experts} "
+              f"experts per token)" if cfg.is_moe else "")
+    lines = [f"{cfg.architecture}: {e.params / 1e9:.3g}B parameters{active}, {cfg.num_layers} layers, hidden "
              f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}; weights "
              f"{cfg.quantization or e.weight_dtype}, KV cache {e.kv_dtype}, max_model_len {e.max_model_len:,}",
              _target(e), "", "memory per device" + " " * 33 + "GiB"]

@@ -149,12 +149,25 @@ def softmax_init(rows: int, head_dim: int):
             jnp.zeros((rows, head_dim), jnp.float32))
 
 
+def window_operand(sliding_window) -> jax.Array:
+    """The window as the [1] int32 array the kernels read: 0 for none. It may be traced (a per-layer window read
+    inside the model's layer scan), so it is an operand, not a compile-time constant."""
+    return jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
+
+
+def apply_softcap(logits, softcap: float | None):
+    """Soft-capping of logits in log2 units: cap * tanh(s / cap) on the natural-unit score s = logits / LOG2_E."""
+    if softcap is None:
+        return logits
+    return (softcap * LOG2_E) * jnp.tanh(logits * (1.0 / (softcap * LOG2_E)))
+
+
 def attend_tiles(q, k_ref, v_ref, tables_ref, seq, layer, kv_head, first_tile, end_tile, mask_fn, carry, *,
-                 block_k: int, page_size: int, scale_log2: float, scale_refs=None):
+                 block_k: int, page_size: int, scale_log2: float, scale_refs=None, softcap: float | None = None):
     """Runs the online softmax over key tiles [first_tile, end_tile) of one sequence.
 
     q: [R, D] in compute_dtype(q, cache); mask_fn(key_pos [block_k]) -> bool [R, block_k] or [1, block_k];
-    scale_refs: (k_scale, v_scale) pools of an int8 cache, else None.
+    scale_refs: (k_scale, v_scale) pools of an int8 cache, else None; softcap: Gemma 2's score soft-capping.
     """
     def body(tile, state):
         key_pos = tile * block_k + lax.iota(jnp.int32, block_k)
@@ -165,7 +178,20 @@ def attend_tiles(q, k_ref, v_ref, tables_ref, seq, layer, kv_head, first_tile, e
         if scale_refs is not None:
             k_scale, v_scale = load_kv_scales(*scale_refs, tables_ref, seq, layer, kv_head, key_pos, page_size)
             logits = logits * k_scale[None, :]
-        logits = jnp.where(mask_fn(key_pos), logits, MASK_VALUE)
+        logits = jnp.where(mask_fn(key_pos), apply_softcap(logits, softcap), MASK_VALUE)
         return online_softmax_step(logits, v, *state, v_scale=v_scale)
 
     return lax.fori_loop(first_tile, end_tile, body, carry)
+
+
+def reference_softcap(scores, softcap: float | None):
+    """References: softcap * tanh(scores / softcap) on natural-unit scores."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def reference_window(key_pos, q_pos, sliding_window):
+    """References: keys inside the window (all when sliding_window is None or 0)."""
+    if sliding_window is None:
+        return True
+    window = jnp.asarray(sliding_window, jnp.int32)
+    return (window <= 0) | (key_pos > q_pos - window)

@@ -6,6 +6,8 @@
     k/v_scale    [layers, kv_heads, pages, page_size] f32 int8 caches only: per-token, per-head scales
     block_tables [B, P] int32                             page ids, 0 past a sequence's last page
     context_lens [B] int32                                0 marks a padding row: its output is zeros
+    sliding_window  None, an int or a traced int32 (0: none): keys at positions > position - window
+    softcap      None or a float (static): scores -> softcap * tanh(scores / softcap) before the mask
     -> out       [B, H, D]
 
 Kernel grid (B, kv_heads, splits). Program (b, h, s) takes the `group` query heads of KV head h, padded to
@@ -50,12 +52,12 @@ def choose_decode_config(batch: int, kv_heads: int, head_dim: int, itemsize: int
     return DecodeConfig(block_k=block_k, num_splits=num_splits, num_warps=4, num_stages=3)
 
 
-def _decode_kernel(layer_ref, tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, scale_log2: float,
-                   block_k: int, page_size: int, num_splits: int, sliding_window: int | None, scaled: bool):
+def _decode_kernel(layer_ref, window_ref, tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, scale_log2: float,
+                   block_k: int, page_size: int, num_splits: int, softcap: float | None, scaled: bool):
     scale_refs, (o_ref, lse_ref) = (refs[:2], refs[2:]) if scaled else (None, refs)
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, length = layer_ref[0], lens_ref[b]
-    kv_start = jnp.int32(0) if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    layer, window, length = layer_ref[0], window_ref[0], lens_ref[b]
+    kv_start = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
     first_tile = c.div(kv_start, block_k)
     num_tiles = c.cdiv(length, block_k) - first_tile  # 0 for padding rows
     per_split = c.cdiv(num_tiles, num_splits)
@@ -68,27 +70,27 @@ def _decode_kernel(layer_ref, tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, 
     q = q_ref[...].astype(c.compute_dtype(q_ref.dtype, k_ref.dtype))
     m, l, acc = c.attend_tiles(q, k_ref, v_ref, tables_ref, b, layer, kv_head, lo, hi, mask,
                                c.softmax_init(q.shape[0], q.shape[1]), block_k=block_k, page_size=page_size,
-                               scale_log2=scale_log2, scale_refs=scale_refs)
+                               scale_log2=scale_log2, scale_refs=scale_refs, softcap=softcap)
     seen = l > 0  # a split past the end of the sequence (or a padding row) saw no keys
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _decode_call(qg, cache_k, cache_v, layer, tables, lens, *, scale, sliding_window, config, interpret,
+def _decode_call(qg, cache_k, cache_v, layer, window, tables, lens, *, scale, config, interpret, softcap=None,
                  kv_scales=()):
     """qg: [B, KVH, block_h, D] -> (out [B, KVH, splits, block_h, D], lse [B, KVH, splits, block_h] in log2).
-    kv_scales: () or the (k_scale, v_scale) pools of an int8 cache."""
+    layer, window: [1] int32 (c.layer_operand, c.window_operand); kv_scales: () or an int8 cache's scale pools."""
     batch, kv_heads, block_h, head_dim = qg.shape
     splits = config.num_splits
     kernel = functools.partial(
         _decode_kernel, scale_log2=scale * c.LOG2_E, block_k=config.block_k, page_size=cache_k.shape[3],
-        num_splits=splits, sliding_window=sliding_window, scaled=bool(kv_scales))
+        num_splits=splits, softcap=softcap, scaled=bool(kv_scales))
     out_dtype = qg.dtype if splits == 1 else jnp.float32
     return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
         in_specs=[
-            pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,  # layer [1], tables [B, P'], lens [B]
+            pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,  # layer, window, tables, lens
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
             pl.no_block_spec, pl.no_block_spec,  # the pools stay in HBM; tiles are gathered in the kernel
         ] + [pl.no_block_spec] * len(kv_scales),
@@ -101,7 +103,7 @@ def _decode_call(qg, cache_k, cache_v, layer, tables, lens, *, scale, sliding_wi
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="jaxserve_paged_attention",
-    )(layer, tables, lens, qg, cache_k, cache_v, *kv_scales)
+    )(layer, window, tables, lens, qg, cache_k, cache_v, *kv_scales)
 
 
 def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
@@ -113,10 +115,11 @@ def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
     return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config"))
 def paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale: float,
-                    sliding_window: int | None = None, interpret: bool = False,
-                    config: DecodeConfig | None = None, k_scale=None, v_scale=None) -> jax.Array:
+                    sliding_window: int | jax.Array | None = None, softcap: float | None = None,
+                    interpret: bool = False, config: DecodeConfig | None = None, k_scale=None,
+                    v_scale=None) -> jax.Array:
     """Decode attention over the paged cache (see the module docstring for shapes). Returns [B, H, D] in q.dtype."""
     batch, heads, head_dim = q.shape
     kv_heads, group = c.check_paged_inputs(heads, head_dim, cache_k, cache_v)
@@ -128,15 +131,16 @@ def paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, *, s
     c.check_tiles(block_h, config.block_k)
     qg = jnp.pad(q.reshape(batch, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
     tables = c.pad_block_tables(block_tables, page_size, config.block_k)
-    out, lse = _decode_call(qg, cache_k, cache_v, c.layer_operand(layer), tables,
-                            context_lens.astype(jnp.int32), scale=scale, sliding_window=sliding_window,
-                            config=config, interpret=interpret, kv_scales=c.scale_pools(k_scale, v_scale))
+    out, lse = _decode_call(qg, cache_k, cache_v, c.layer_operand(layer), c.window_operand(sliding_window), tables,
+                            context_lens.astype(jnp.int32), scale=scale, softcap=softcap, config=config,
+                            interpret=interpret, kv_scales=c.scale_pools(k_scale, v_scale))
     out = out[:, :, 0] if config.num_splits == 1 else combine_splits(out, lse)
     return out[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
 
 
 def paged_attention_reference(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale: float,
-                              sliding_window: int | None = None, k_scale=None, v_scale=None) -> jax.Array:
+                              sliding_window: int | None = None, softcap: float | None = None, k_scale=None,
+                              v_scale=None) -> jax.Array:
     """Dense float32 attention of each sequence's query over all its gathered pages, masked by position."""
     batch, heads, head_dim = q.shape
     kv_heads = cache_k.shape[1]
@@ -145,12 +149,10 @@ def paged_attention_reference(q, cache_k, cache_v, layer, block_tables, context_
     keys = keys.reshape(kv_heads, batch, -1, head_dim)  # [KVH, B, C, D]
     values = values.reshape(kv_heads, batch, -1, head_dim)
     qg = q.astype(jnp.float32).reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("bkgd,kbcd->bkgc", qg, keys) * scale
+    scores = c.reference_softcap(jnp.einsum("bkgd,kbcd->bkgc", qg, keys) * scale, softcap)
     key_pos = jnp.arange(keys.shape[2])[None, :]
     q_pos = (context_lens - 1)[:, None]
-    mask = key_pos <= q_pos
-    if sliding_window is not None:
-        mask &= key_pos > q_pos - sliding_window
+    mask = (key_pos <= q_pos) & c.reference_window(key_pos, q_pos, sliding_window)
     mask = mask[:, None, None, :]
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
     probs = jnp.where(mask, probs, 0.0)  # padding rows (no key) give zeros, not NaN

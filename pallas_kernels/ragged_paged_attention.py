@@ -6,6 +6,7 @@
     block_tables [S, P] int32                      page ids, 0 past a sequence's last page
     cache_k/v    [layers, kv_heads, pages, page_size, D]   float, int8 or float8_e4m3fn
     k/v_scale    [layers, kv_heads, pages, page_size] f32  int8 caches only: per-token, per-head scales
+    sliding_window  None, an int or a traced int32 (0: none); softcap  None or a float (static), as in decode
     -> out       [T, H, D]                         zeros for tokens at or past query_start[S]
 
 Token t of sequence s sits at position context_lens[s] - (query_start[s+1] - t) and attends causally to every
@@ -78,48 +79,47 @@ def query_block_layout(query_start: jax.Array, context_lens: jax.Array, num_toke
     return seq, first, count.astype(jnp.int32), position.astype(jnp.int32)
 
 
-def _ragged_kernel(layer_ref, tables_ref, seq_ref, count_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
+def _ragged_kernel(layer_ref, window_ref, tables_ref, seq_ref, count_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
                    scale_log2: float, block_k: int, page_size: int, group_padded: int,
-                   sliding_window: int | None, scaled: bool):
+                   softcap: float | None, scaled: bool):
     scale_refs, (o_ref,) = (refs[:2], refs[2:]) if scaled else (None, refs)
     n, kv_head = pl.program_id(0), pl.program_id(1)
-    layer, seq, count, first_pos = layer_ref[0], seq_ref[n], count_ref[n], pos_ref[n]
+    layer, window, seq, count, first_pos = layer_ref[0], window_ref[0], seq_ref[n], count_ref[n], pos_ref[n]
     rows = q_ref.shape[0]
     q_pos = first_pos + c.div(jax.lax.iota(jnp.int32, rows), group_padded)  # row = token * group_padded + head
     kv_end = first_pos + count  # one past the block's last position; 0 for empty blocks
-    kv_start = jnp.int32(0) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    kv_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
 
     def mask(key_pos):
-        visible = key_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
-        return visible
+        causal = key_pos[None, :] <= q_pos[:, None]
+        return causal & ((window <= 0) | (key_pos[None, :] > q_pos[:, None] - window))
 
     q = q_ref[...].astype(c.compute_dtype(q_ref.dtype, k_ref.dtype))
     _, l, acc = c.attend_tiles(q, k_ref, v_ref, tables_ref, seq, layer, kv_head, c.div(kv_start, block_k),
                                c.cdiv(kv_end, block_k), mask, c.softmax_init(rows, q.shape[1]),
-                               block_k=block_k, page_size=page_size, scale_log2=scale_log2, scale_refs=scale_refs)
+                               block_k=block_k, page_size=page_size, scale_log2=scale_log2, scale_refs=scale_refs,
+                               softcap=softcap)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _ragged_call(q_blocks, cache_k, cache_v, layer, tables, layout, *, scale, sliding_window, config,
-                 group_padded, interpret, kv_scales=()):
+def _ragged_call(q_blocks, cache_k, cache_v, layer, window, tables, layout, *, scale, config, group_padded,
+                 interpret, softcap=None, kv_scales=()):
     """q_blocks: [NB, KVH, rows, D] -> out [NB, KVH, rows, D]. kv_scales: () or an int8 cache's scale pools."""
     num_blocks, kv_heads, rows, head_dim = q_blocks.shape
     kernel = functools.partial(
         _ragged_kernel, scale_log2=scale * c.LOG2_E, block_k=config.block_k, page_size=cache_k.shape[3],
-        group_padded=group_padded, sliding_window=sliding_window, scaled=bool(kv_scales))
+        group_padded=group_padded, softcap=softcap, scaled=bool(kv_scales))
     block = pl.BlockSpec((None, None, rows, head_dim), lambda n, h: (n, h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(num_blocks, kv_heads),
-        in_specs=[pl.no_block_spec] * 5 + [block] + [pl.no_block_spec] * (2 + len(kv_scales)),
+        in_specs=[pl.no_block_spec] * 6 + [block] + [pl.no_block_spec] * (2 + len(kv_scales)),
         out_specs=block,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
-    )(layer, tables, *layout, q_blocks, cache_k, cache_v, *kv_scales)
+    )(layer, window, tables, *layout, q_blocks, cache_k, cache_v, *kv_scales)
 
 
 def _to_blocks(q, first, count, kv_heads, group_padded, block_q):
@@ -151,10 +151,11 @@ def _from_blocks(out, query_start, num_tokens, heads, block_q, group_padded):
     return jnp.where(valid[:, None, None, None], gathered, 0).reshape(num_tokens, heads, d)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config"))
 def ragged_paged_attention(q, cache_k, cache_v, layer, block_tables, context_lens, query_start, *, scale: float,
-                           sliding_window: int | None = None, interpret: bool = False,
-                           config: RaggedConfig | None = None, k_scale=None, v_scale=None) -> jax.Array:
+                           sliding_window: int | jax.Array | None = None, softcap: float | None = None,
+                           interpret: bool = False, config: RaggedConfig | None = None, k_scale=None,
+                           v_scale=None) -> jax.Array:
     """Causal attention of a ragged token batch over the paged cache (see the module docstring). [T, H, D]."""
     num_tokens, heads, head_dim = q.shape
     kv_heads, group = c.check_paged_inputs(heads, head_dim, cache_k, cache_v)
@@ -166,15 +167,15 @@ def ragged_paged_attention(q, cache_k, cache_v, layer, block_tables, context_len
     seq, first, count, position = query_block_layout(query_start, context_lens, num_tokens, config.block_q)
     q_blocks = _to_blocks(q, first, count, kv_heads, group_padded, config.block_q)
     tables = c.pad_block_tables(block_tables, cache_k.shape[3], config.block_k)
-    out = _ragged_call(q_blocks, cache_k, cache_v, c.layer_operand(layer), tables, (seq, count, position),
-                       scale=scale, sliding_window=sliding_window, config=config, group_padded=group_padded,
-                       interpret=interpret, kv_scales=c.scale_pools(k_scale, v_scale))
+    out = _ragged_call(q_blocks, cache_k, cache_v, c.layer_operand(layer), c.window_operand(sliding_window), tables,
+                       (seq, count, position), scale=scale, config=config, group_padded=group_padded,
+                       interpret=interpret, softcap=softcap, kv_scales=c.scale_pools(k_scale, v_scale))
     return _from_blocks(out, query_start, num_tokens, heads, config.block_q, group_padded).astype(q.dtype)
 
 
 def ragged_paged_attention_reference(q, cache_k, cache_v, layer, block_tables, context_lens, query_start, *,
-                                     scale: float, sliding_window: int | None = None, k_scale=None,
-                                     v_scale=None) -> jax.Array:
+                                     scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                                     k_scale=None, v_scale=None) -> jax.Array:
     """Dense float32 attention of each token over its sequence's gathered pages, masked by position."""
     num_tokens, heads, head_dim = q.shape
     num_seqs, kv_heads = block_tables.shape[0], cache_k.shape[1]
@@ -187,11 +188,9 @@ def ragged_paged_attention_reference(q, cache_k, cache_v, layer, block_tables, c
     values = c.dequantized_pages(cache_v, v_scale, layer, block_tables[seq]).reshape(kv_heads, num_tokens, -1,
                                                                                      head_dim)
     qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("tkgd,ktcd->tkgc", qg, keys) * scale
+    scores = c.reference_softcap(jnp.einsum("tkgd,ktcd->tkgc", qg, keys) * scale, softcap)
     key_pos = jnp.arange(keys.shape[2])[None, :]
-    mask = key_pos <= q_pos[:, None]
-    if sliding_window is not None:
-        mask &= key_pos > q_pos[:, None] - sliding_window
+    mask = (key_pos <= q_pos[:, None]) & c.reference_window(key_pos, q_pos[:, None], sliding_window)
     mask = mask[:, None, None, :]
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
     probs = jnp.where(mask, probs, 0.0)

@@ -14,8 +14,10 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +51,13 @@ def model(cfg: ModelConfig = MODEL):
     return m
 
 
-def greedy(engine, on_added=lambda: None) -> list[list[int]]:
+def greedy(engine, on_added=lambda: None, prompts=PROMPTS) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     on_added()
     finals = {o.request_id: o.outputs[0].token_ids for o in engine.run_until_done()}
-    return [finals[str(i)] for i in range(len(PROMPTS))]
+    return [finals[str(i)] for i in range(len(prompts))]
 
 
 def reference(m) -> list[list[int]]:
@@ -111,6 +113,20 @@ def data_parallel(dp: int, tp: int) -> dict:
             "kv_on": [sorted(d.id for d in r.runner.kv.k.sharding.device_set) for r in replicas]}
 
 
+def moe_fixture(family: str, tp: int) -> dict:
+    """A tiny MoE fixture (tests/fixtures/<family>, converted here) served on `tp` devices: expert parallelism
+    where its experts divide over them, else tensor parallelism inside each expert. `expected` is transformers'
+    greedy continuation (which the single-device engine reproduces, tests/test_families.py)."""
+    from jaxserve.convert import convert
+    fixture = Path(__file__).parent / "fixtures" / family
+    reference_prompts = json.loads((fixture / "reference.json").read_text())["prompts"]
+    model_dir = convert(fixture / "hf", Path(tempfile.mkdtemp()) / family, progress=False)
+    engine = LLMEngine.from_model_dir(model_dir, ENGINE.replace(tensor_parallel_size=tp), show_progress=False)
+    tokens = greedy(engine, prompts=[p["ids"] for p in reference_prompts])
+    return {"tokens": tokens, "expected": [p["continuation"][:NEW_TOKENS] for p in reference_prompts],
+            **placement(engine)}
+
+
 GQA = ModelConfig(**{**MODEL.__dict__, "num_kv_heads": 2})  # 2 KV heads: split on 2 devices, whole on 4
 INT8 = ModelConfig(**{**MODEL.__dict__, "quantization": "int8", "lm_head_quantization": "int8"})
 # imported formats: int4 with zero points and act-order (GPTQ desc_act), an fp8 LM head
@@ -133,6 +149,9 @@ CASES = {
     "zp_act_reference": lambda: {"tokens": reference(model(ZP_ACT))},
     "zp_act_tp2": lambda: tensor_parallel(2, ZP_ACT),
     "zp_act_pallas_tp2": lambda: tensor_parallel(2, ZP_ACT, matmul="pallas"),
+    "mixtral_tp8": lambda: moe_fixture("mixtral", 8),  # 4 experts on 8 devices: split inside the experts
+    "qwen3moe_tp8": lambda: moe_fixture("qwen3-moe", 8),  # 8 experts on 8 devices: one expert per device
+    "qwen3moe_tp2": lambda: moe_fixture("qwen3-moe", 2),  # 4 experts per device, attention heads split too
 }
 
 

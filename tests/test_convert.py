@@ -270,15 +270,17 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     hf = hf_copy(tmp_path, "llama2")
     edit_config(hf, architectures=["GPT2LMHeadModel"])
     message = convert_fails(hf, tmp_path / "out", "GPT2LMHeadModel")
-    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                      "Qwen3MoeForCausalLM"):
         assert supported in message
 
 
 def test_unsupported_rope_scaling_type(tmp_path):
     hf = hf_copy(tmp_path, "llama3.2")
-    edit_config(hf, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    message = convert_fails(hf, tmp_path / "out", "'yarn'")
-    assert "llama3" in message and "linear" in message
+    edit_config(hf, rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    message = convert_fails(hf, tmp_path / "out", "'mrope'")
+    assert all(kind in message for kind in ("llama3", "linear", "yarn", "dynamic", "longrope"))
 
 
 def test_missing_config_json(tmp_path):

@@ -81,6 +81,20 @@ def test_decode_matches_reference(rng, group, head_dim, page_size, dtype, window
     _check(out, ref, q, dtype, len(lengths) - 1)
 
 
+@pytest.mark.parametrize("window", [None, 19, 0])
+def test_softcap_and_traced_window_match_reference(rng, window):
+    """Gemma: soft-capped scores, and the window as a traced int32 (0: none) read inside a layer scan."""
+    shape = PagedShape(2, 64, 16, "float32", layers=2)
+    query_lens, context_lens = ragged_mix(rng, 5, 96, max_chunk=16)
+    q, ck, cv, tables, lens, query_start = ragged_problem(rng, shape, query_lens, context_lens, 64, 6)
+    windows = jnp.asarray([0 if window is None else window, 0], jnp.int32)
+    step = jax.jit(lambda *a: cpu.paged_attention(*a[:-1], scale=0.125, sliding_window=a[-1][0], softcap=0.5))
+    out = step(q, ck, cv, jnp.int32(1), tables, lens, query_start, windows)
+    ref = rpa.ragged_paged_attention_reference(q, ck, cv, jnp.int32(1), tables, lens, query_start, scale=0.125,
+                                               sliding_window=window, softcap=0.5)
+    _check(out, ref, q, "float32", int(query_start[-1]))
+
+
 def test_auto_picks_the_kernel_for_float_caches_only():
     assert resolve_attention("auto", jnp.float32) == "cpu"
     assert resolve_attention("auto", jnp.bfloat16) == "cpu"

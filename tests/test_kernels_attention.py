@@ -45,13 +45,14 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def _run_decode(rng, shape: PagedShape, window, config, max_pages=8):
+def _run_decode(rng, shape: PagedShape, window, config, max_pages=8, softcap=None):
     lens = decode_lengths(shape.page_size, max_pages * shape.page_size)
     q, ck, cv, tables, lens = decode_problem(rng, shape, lens, max_pages)
     layer = jnp.int32(shape.layers - 1)
     scale = shape.head_dim ** -0.5
-    kernel = _jit(pa.paged_attention, scale=scale, sliding_window=window, interpret=INTERPRET, config=config)
-    reference = _jit(pa.paged_attention_reference, scale=scale, sliding_window=window)
+    kernel = _jit(pa.paged_attention, scale=scale, sliding_window=window, softcap=softcap, interpret=INTERPRET,
+                  config=config)
+    reference = _jit(pa.paged_attention_reference, scale=scale, sliding_window=window, softcap=softcap)
     out, ref = kernel(q, ck, cv, layer, tables, lens), reference(q, ck, cv, layer, tables, lens)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tolerance(shape.dtype))
@@ -76,7 +77,7 @@ def test_decode_matches_reference(rng, group, head_dim, page_size, dtype, window
     _run_decode(rng, PagedShape(group, head_dim, page_size, dtype), window, config)
 
 
-def _run_ragged(rng, shape: PagedShape, window, config, num_seqs=7, max_pages=6, num_tokens=112):
+def _run_ragged(rng, shape: PagedShape, window, config, num_seqs=7, max_pages=6, num_tokens=112, softcap=None):
     # num_tokens bounds the mix: 1 + 24 fixed tokens plus up to 16 for each of the other 5 sequences, then padding
     max_context = max_pages * shape.page_size
     query_lens, context_lens = ragged_mix(rng, num_seqs, max_context, max_chunk=16)
@@ -85,9 +86,9 @@ def _run_ragged(rng, shape: PagedShape, window, config, num_seqs=7, max_pages=6,
                                                           max_pages)
     layer = jnp.int32(shape.layers - 1)
     scale = shape.head_dim ** -0.5
-    kernel = _jit(rpa.ragged_paged_attention, scale=scale, sliding_window=window, interpret=INTERPRET,
-                  config=config)
-    reference = _jit(rpa.ragged_paged_attention_reference, scale=scale, sliding_window=window)
+    kernel = _jit(rpa.ragged_paged_attention, scale=scale, sliding_window=window, softcap=softcap,
+                  interpret=INTERPRET, config=config)
+    reference = _jit(rpa.ragged_paged_attention_reference, scale=scale, sliding_window=window, softcap=softcap)
     out = kernel(q, ck, cv, layer, tables, lens, query_start)
     ref = reference(q, ck, cv, layer, tables, lens, query_start)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -108,6 +109,26 @@ RAGGED_CASES = [
 @pytest.mark.parametrize("group,head_dim,page_size,dtype,window,config", RAGGED_CASES)
 def test_ragged_matches_reference(rng, group, head_dim, page_size, dtype, window, config):
     _run_ragged(rng, PagedShape(group, head_dim, page_size, dtype), window, config)
+
+
+# Gemma's variants: soft-capped scores, and windows that arrive as traced int32 operands (0: no window), as the
+# layer scan of a model with alternating sliding and global layers hands them over.
+@pytest.mark.parametrize("window", [None, 23, 0])
+def test_softcap_and_operand_windows_match_reference(rng, window):
+    window = None if window is None else jnp.int32(window)
+    _run_decode(rng, PagedShape(2, 64, 16, "float32"), window, pa.DecodeConfig(block_k=16, num_splits=2),
+                softcap=0.5)  # scores of random q, k reach ~1: a cap of 0.5 changes them visibly
+    _run_ragged(rng, PagedShape(2, 64, 16, "bfloat16"), window, rpa.RaggedConfig(block_q=8, block_k=16),
+                softcap=0.5)
+
+
+def test_softcap_changes_the_output(rng):
+    """The soft-cap reaches the kernel: capped and uncapped attention differ on the same inputs."""
+    shape = PagedShape(2, 64, 16, "float32")
+    q, ck, cv, tables, lens = decode_problem(rng, shape, decode_lengths(16, 64), 4)
+    run = lambda cap: _jit(pa.paged_attention, scale=0.125, softcap=cap, interpret=INTERPRET)(  # noqa: E731
+        q, ck, cv, jnp.int32(0), tables, lens)
+    assert float(jnp.max(jnp.abs(run(0.5) - run(None)))) > 1e-3
 
 
 def test_split_combine_ignores_empty_splits():

@@ -153,11 +153,30 @@ def test_kernels_inside_a_layer_scan_read_the_stacked_cache():
 def test_lowering_rejects_what_interpret_mode_accepts():
     """The harness is live: a 48-key tile runs in interpret mode but the Triton lowering refuses it."""
     pool = _pool(2, 16, 64, jnp.float32)
-    fn = functools.partial(pa._decode_call, scale=0.1, sliding_window=None, interpret=False,
-                           config=pa.DecodeConfig(block_k=48))
+    fn = functools.partial(pa._decode_call, scale=0.1, interpret=False, config=pa.DecodeConfig(block_k=48))
     qg = jax.ShapeDtypeStruct((2, 2, 16, 64), jnp.float32)
     with pytest.raises(Exception, match="power of 2"):
-        lower_for_h200(fn, qg, pool, pool, _i32(1), _i32(2, 8), _i32(2))
+        lower_for_h200(fn, qg, pool, pool, _i32(1), _i32(1), _i32(2, 8), _i32(2))
+
+
+def test_gemma_variants_lower_inside_a_layer_scan():
+    """Gemma: soft-capped scores (tanh in the kernel) and a per-layer window read from the scan (an operand)."""
+    pool = _pool(8, 16, 256, jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((32, 16, 256), jnp.bfloat16)
+    windows = jnp.asarray([4096, 0, 4096, 0], jnp.int32)  # sliding and global layers alternate
+
+    def step(q, ck, cv, tables, lens, query_start):
+        def layer_body(carry, layer):
+            kw = dict(scale=256 ** -0.5, sliding_window=windows[layer], softcap=50.0)
+            x = pa.paged_attention(carry, ck, cv, layer, tables, lens, **kw)
+            x = rpa.ragged_paged_attention(x, ck, cv, layer, tables, lens, query_start, **kw)
+            return x, None
+        return jax.lax.scan(layer_body, q, jnp.arange(LAYERS))[0]
+
+    lowered = lower_for_h200(step, q, pool, pool, _i32(32, 16), _i32(32), _i32(33))
+    calls = triton_calls(lowered)
+    assert len(calls) == 2
+    assert all("tanh" in c["module"] for c in calls), "the soft-cap's tanh is missing from a kernel"
 
 
 def test_wrappers_refuse_tiles_the_triton_dot_cannot_take():

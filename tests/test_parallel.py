@@ -368,6 +368,34 @@ def test_imported_formats_under_tensor_parallelism_match_the_single_device_run()
         assert weights[f"layers/{name}/perm"]["spec"] == [None, None], name
     assert weights["layers/w_down/scales"]["spec"] == [None, "model", None]
     assert weights["lm_head/values"]["spec"] == [None, "model"] and weights["lm_head/scales"]["spec"] == ["model"]
+# ---- Mixture of Experts on 8 host devices --------------------------------------------------------------------------
+def _assert_moe_case(case: dict, expert_spec: list) -> None:
+    assert case["tokens"] == case["expected"]  # transformers' greedy tokens, as the single-device engine gives
+    assert case["weights"]["layers/we_gate"]["spec"] == expert_spec
+    assert case["weights"]["layers/router"]["spec"] == [None, None, None]  # the router is replicated
+    for shape, step in case["steps"].items():
+        kinds = {name.split()[0] for name in step["collectives"]}
+        assert kinds <= {"all-reduce", "all-gather"}, (shape, step)
+        for name in step["collectives"]:
+            elements = np.prod([int(d) for d in name.split("[")[1].split("]")[0].split(",")])
+            assert elements <= 64 * 512, (shape, name)  # activations or logits, never an expert's weights
+
+
+def test_moe_expert_and_tensor_parallel_give_the_single_device_tokens():
+    """Expert parallelism (8 experts, one per device) and tensor parallelism inside the experts (4 experts on 8
+    devices: each expert's MLP split 8 ways) both give the greedy tokens of one device."""
+    r = run_cases("qwen3moe_tp8", "mixtral_tp8")
+    _assert_moe_case(r["qwen3moe_tp8"], [None, "model", None, None])
+    assert r["qwen3moe_tp8"]["weights"]["layers/we_gate"]["shard_shape"][1] == 1  # one expert per device
+    _assert_moe_case(r["mixtral_tp8"], [None, None, None, "model"])
+    assert "experts" not in r["mixtral_tp8"]["rules"]
+
+
+@pytest.mark.slow
+def test_moe_expert_parallel_beside_split_attention_heads():
+    r = run_cases("qwen3moe_tp2")
+    _assert_moe_case(r["qwen3moe_tp2"], [None, "model", None, None])
+    assert r["qwen3moe_tp2"]["weights"]["layers/wq"]["spec"] == [None, None, "model", None]
 
 
 # ---- CUDA lowering -----------------------------------------------------------------------------------------------
@@ -395,3 +423,24 @@ def test_pallas_kernels_lower_for_cuda_on_their_devices_shards(monkeypatch, shap
     # q/k/v/o: [64, 128] / [128, 64] halved; gate/up [64, 384] on N, down [384, 64] on K: local shards only
     assert weights == {"tensor<64x64xi8>", "tensor<64x192xi8>", "tensor<192x64xi8>"}
     assert lowered.as_text().count("stablehlo.all_reduce") == 2  # o and down: partial products summed
+
+
+def test_moe_step_lowers_for_cuda_with_the_experts_split(monkeypatch):
+    """A Mixtral-style step on an abstract pair of H200s: the grouped matmuls lower for CUDA (XLA's ragged dot)
+    inside the shard_map over experts, where each device holds 2 of the 4 experts."""
+    cfg = ModelConfig(**{**MODEL.__dict__, "architecture": "MixtralForCausalLM", "dtype": "bfloat16",
+                         "num_experts": 4, "num_experts_per_tok": 2})
+    graphdef, params = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    kv = jax.eval_shape(lambda: KVCache.zeros(2, 8, 64, 16, 16, jnp.bfloat16))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    shape = StepShape("prefill", 32, 4, 4)
+    inputs = StepInputs(i32(4, 4), i32(4), i32(5), i32(4), jax.ShapeDtypeStruct((4,), jnp.bool_),
+                        jax.ShapeDtypeStruct((6,), jnp.bool_))
+    step = functools.partial(model_step, graphdef, shape=shape, page_size=16, kernels=Kernels.resolve("xla", "xla"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks the GPU's grouped matmul
+    pair = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(pair):
+        lowered = jax.jit(step).trace(params, kv, i32(9, 129), inputs).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "ragged_dot" in text, "the grouped matmul must lower as a ragged dot, not a loop over experts"
+    assert "tensor<2x64x128xbf16>" in text  # inside the shard_map: this device's 2 experts of [64, 128]

@@ -44,6 +44,10 @@ FLOAT32_RTOL = 1e-4
 # llama2 0.015, llama3.1 0.024, llama3.2 0.020, mistral 0.017, qwen2 0.016, qwen3 0.019 -- the same size as
 # transformers' own bf16-vs-float32 error (0.007 .. 0.036). 0.05 is about twice the worst measured value.
 BFLOAT16_RTOL = 0.05
+# Gemma's logits drift further in bfloat16 on both sides (sandwich norms, (1 + w) norms, GeGLU, soft-capping): measured
+# transformers bf16 vs float32 0.015 .. 0.099, jaxserve bf16 vs transformers bf16 0.009 .. 0.085; the ratio check
+# below is what holds each family to transformers' own bfloat16 accuracy.
+BFLOAT16_RTOL_OF = {"gemma2": 0.12, "gemma3": 0.12}
 # ... and jaxserve in bf16 must stay as close to the float32 truth as transformers in bf16 is (measured ratio
 # of the two errors: at most 1.3).
 BFLOAT16_ERROR_RATIO = 2.0
@@ -176,7 +180,8 @@ def test_bfloat16_prefill_is_as_close_as_transformers_bfloat16(family, paged):
     for i, prompt in enumerate(ref.prompts):
         n = len(prompt["ids"])
         logits, _ = runner.prefill(prompt["ids"])
-        assert_close(logits, ref.bfloat16(i), BFLOAT16_RTOL, f"{family} prompt {i} bfloat16 prefill")
+        assert_close(logits, ref.bfloat16(i), BFLOAT16_RTOL_OF.get(family, BFLOAT16_RTOL),
+                     f"{family} prompt {i} bfloat16 prefill")
         ours = np.max(np.abs(logits - ref.float32(i)[:n]))
         theirs = np.max(np.abs(ref.bfloat16(i) - ref.float32(i)[:n]))
         assert ours <= BFLOAT16_ERROR_RATIO * theirs, (

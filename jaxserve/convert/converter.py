@@ -224,16 +224,22 @@ def read_params(reader: TensorReader, targets: dict[str, Target], cfg: ModelConf
     in_file_order = sorted(targets, key=lambda name: (str(reader.shard(name)), name))
     for name in (show_progress(in_file_order, "converting", unit="tensor") if progress else in_file_order):
         target = targets[name]
-        scheme = weight_scheme(target.path, specs[target.path], cfg)
-        if scheme is not None and isinstance(reader, quantized.ImportedTensors) and reader.stays_quantized(name):
+        if (isinstance(reader, quantized.ImportedTensors) and target.path is not None
+                and weight_scheme(target.path, specs[target.path], cfg) is not None and reader.stays_quantized(name)):
             _store_quantized(params, target, reader.read_quantized(name))  # already in jaxserve's format
             continue
-        weight = target.transform.apply(reader.read(name), target.shape)
-        if scheme is None:
-            _destination(params, target.path, target.layer)[...] = weight
-            continue
-        _store_quantized(params, target, _quantize(weight, contract=specs[target.path].contract, scheme=scheme))
+        for piece, weight in target.pieces(reader.read(name)):  # several for a fused tensor (Phi-3)
+            _store(params, piece, weight, specs[piece.path], cfg)
     return params
+
+
+def _store(params: dict[str, np.ndarray], target: Target, weight: np.ndarray, spec: WeightSpec,
+           cfg: ModelConfig) -> None:
+    scheme = weight_scheme(target.path, spec, cfg)
+    if scheme is None:
+        params[target.path][target.index] = weight
+        return
+    _store_quantized(params, target, _quantize(weight, contract=spec.contract, scheme=scheme))
 
 
 _quantize = jax.jit(schemes.quantize_arrays, static_argnames=("contract", "scheme"))  # one tensor (layer) at a time
@@ -243,7 +249,7 @@ def _store_quantized(params: dict[str, np.ndarray], target: Target, arrays: dict
     """{"values", "scales", ...} of one weight (one layer), in any shape with the layout's size (the matrix view
     reshapes into it) -> the preallocated `<path>/<leaf>` arrays."""
     for leaf, array in arrays.items():
-        destination = _destination(params, f"{target.path}/{leaf}", target.layer)
+        destination = params[f"{target.path}/{leaf}"][target.index]
         destination[...] = np.asarray(array).reshape(destination.shape)
 
 
@@ -264,10 +270,6 @@ def _allocate_quantized(path: str, spec: WeightSpec, scheme: str) -> dict[str, n
     stacked = 1 if path.startswith("layers/") else 0
     layout = schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked)
     return {f"{path}/{leaf}": np.empty(shape, dtype) for leaf, (shape, dtype) in layout.arrays().items()}
-
-
-def _destination(params: dict[str, np.ndarray], path: str, layer: int | None) -> np.ndarray:
-    return params[path] if layer is None else params[path][layer]
 
 
 def _dimensions(cfg: ModelConfig) -> str:

@@ -47,15 +47,17 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
 def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array, query_start: jax.Array, *, scale: float,
-                    sliding_window: int | None) -> jax.Array:
+                    sliding_window: int | jax.Array | None, softcap: float | None = None) -> jax.Array:
     """Ragged paged attention, decode included (query_start = arange). q [T, H, D] -> [T, H, D]; the layout and
-    the contract are those of pallas_kernels.ragged_paged_attention. Needs `available()`."""
+    the contract are those of pallas_kernels.ragged_paged_attention (sliding_window may be a traced int32, 0 for
+    none). Needs `available()`."""
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built; use attention='xla'")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32),
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
+    return call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32).reshape(1), window, block_tables.astype(jnp.int32),
                 context_lens.astype(jnp.int32), query_start.astype(jnp.int32), scale=np.float32(scale),
-                window=np.int32(sliding_window or 0))
+                softcap=np.float32(softcap or 0.0))
 
 
 def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None) -> jax.Array:

@@ -6,8 +6,9 @@
 //
 //   q            [T, H, D]                       float32 | bfloat16
 //   cache_k, _v  [layers, kv_heads, pages, page_size, D]   float32 | bfloat16 (page 0: the null page)
-//   layer        int32 scalar
+//   layer        int32 [1]; window int32 [1] (0: none; an operand because a layer scan reads it per layer)
 //   block_tables [S, P] int32, context_lens [S] int32, query_start [S + 1] int32
+//   scale, softcap (attributes): scores = q.k * scale, then softcap * tanh(scores / softcap) when softcap > 0
 //   out          [T, H, D] (q's dtype); padding tokens (t >= query_start[S]) and empty sequences give zeros
 //
 // Token t of sequence s sits at position context_lens[s] - (query_start[s + 1] - t) and attends to the cached
@@ -43,6 +44,7 @@ struct Problem {
   int64_t num_tokens, num_heads, head_dim, kv_heads, num_pages, page_size, num_seqs, max_pages, layer;
   float scale;
   int32_t window;
+  float softcap;
   const int32_t* block_tables;
   const int32_t* context_lens;
   const int32_t* query_start;
@@ -73,6 +75,9 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
     const int64_t key = first + j;
     const KT* k = cache_k + ((layer_head + table[key / p.page_size]) * p.page_size + key % p.page_size) * d;
     for (int64_t g = 0; g < group; ++g) scores[g * n + j] = Dot(&qf[g * d], k, d);
+  }
+  if (p.softcap > 0) {
+    for (int64_t i = 0; i < group * n; ++i) scores[i] = p.softcap * std::tanh(scores[i] / p.softcap);
   }
   acc.assign(group * d, 0.0f);
   std::vector<float> total(group, 0.0f);
@@ -110,15 +115,17 @@ void Run(ffi::ThreadPool& pool, Problem& p, const void* q, const void* k, const 
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
-                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
-                              ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start,
-                              ffi::Result<ffi::AnyBuffer> out, float scale, int32_t window) {
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
+                              ffi::Buffer<ffi::S32> query_start, ffi::Result<ffi::AnyBuffer> out, float scale,
+                              float softcap) {
   auto qd = q.dimensions(), kd = cache_k.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || bd.size() != 2) {
     return ffi::Error::InvalidArgument("paged_attention: expected q [T,H,D], cache [L,KVH,P,PS,D], tables [S,P]");
   }
-  Problem p{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], bd[0], bd[1], layer.typed_data()[0], scale, window,
-            block_tables.typed_data(), context_lens.typed_data(), query_start.typed_data(), {}};
+  Problem p{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], bd[0], bd[1], layer.typed_data()[0], scale,
+            window.typed_data()[0], softcap, block_tables.typed_data(), context_lens.typed_data(),
+            query_start.typed_data(), {}};
   if (p.num_heads % p.kv_heads != 0 || kd[4] != p.head_dim) {
     return ffi::Error::InvalidArgument("paged_attention: heads must be a multiple of kv_heads, head_dim equal");
   }
@@ -149,9 +156,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()       // cache_k
                                   .Arg<ffi::AnyBuffer>()       // cache_v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Ret<ffi::AnyBuffer>()       // out
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("window"));
+                                  .Attr<float>("softcap"));

@@ -88,6 +88,7 @@ class EngineCore:
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(self._with_adapters(model), self.sharder)
+        model.cfg = model.cfg.for_context(self.max_model_len)  # LongRoPE picks its factors once, for this length
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
@@ -114,7 +115,8 @@ class EngineCore:
                                    adapter_slots=self._adapter_slots)
         for item in config.lora_modules if not config.merge_lora else ():
             self.add_lora(*parse_lora_module(item))
-        self.meter = StepMeter(model.cfg.sliding_window) if metered else NullMeter()
+        window = model.cfg.sliding_window if model.cfg.layer_types is None else None  # mixed layers: count all
+        self.meter = StepMeter(window) if metered else NullMeter()
         # grammar matchers of constrained samples (jaxserve.structured); the compiler is shared with front ends
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer, model.cfg.vocab_size, eos))
         self._in_flight: PendingStep | None = None

@@ -7,6 +7,10 @@ kernel. This module calls whichever it was handed.
 Quantized caches (int8 with per-token scales, fp8; jaxserve.quant.kv) are dequantized on load by both paths:
 the cache values are cast to the query dtype, K's scales multiply the logits and V's the probabilities.
 
+Gemma's variants reach every kernel: `scale` (query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5),
+`softcap` (scores -> cap * tanh(scores / cap) before the mask, Gemma 2) and a per-layer `sliding_window` that
+may be a traced int32 inside the layer scan (0: no window), so alternating sliding/global layers compile once.
+
 Tensor parallelism: attention is independent per KV head, so both paths run under shard_map over kv_heads
 (jaxserve.parallel.shard_map_logical): each device writes and attends its own heads' slice of the cache, with no
 communication. Queries enter grouped by KV head, [T, kv_heads, q_per_kv, head_dim], so their heads split with
@@ -34,28 +38,38 @@ XLA_QUERY_BLOCK = 16  # query tokens per block in the ragged XLA path
 
 
 def attend_paged(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
-                 meta: AttentionMetadata, *, sliding_window: int | None, kernels: Kernels) -> tuple[jax.Array, KVCache]:
+                 meta: AttentionMetadata, *, sliding_window: int | jax.Array | None, kernels: Kernels,
+                 scale: float | None = None, softcap: float | None = None) -> tuple[jax.Array, KVCache]:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Writes k, v (quantizing them for an int8/fp8
     cache), then attends. Returns (out [T, heads, head_dim], the updated cache). Split over KV heads when a mesh
-    is in context (see the module docstring)."""
+    is in context (see the module docstring). scale defaults to head_dim ** -0.5."""
     t, h, d = q.shape
     kvh = k.shape[1]
-    local = functools.partial(_attend_local_heads, sliding_window=sliding_window, kernels=kernels)
+    local = functools.partial(_attend_local_heads, kernels=kernels, scale=d ** -0.5 if scale is None else scale,
+                              softcap=softcap)
     cache_specs = cache.logical_specs()
-    out, cache = shard_map_logical(local, in_specs=(BY_KV_HEAD, BY_KV_HEAD, BY_KV_HEAD, cache_specs, P(), P()),
-                                   out_specs=(BY_KV_HEAD, cache_specs))(q.reshape(t, kvh, h // kvh, d), k, v, cache,
-                                                                        layer, meta)
+    window = window_operand(sliding_window) if isinstance(sliding_window, jax.Array) else sliding_window
+    if isinstance(window, jax.Array):  # traced: it enters the shard_map as an operand
+        local_with_window = lambda *args: local(*args[:-1], sliding_window=args[-1])  # noqa: E731
+        specs, args = (P(),), (window,)
+    else:
+        local_with_window = functools.partial(local, sliding_window=window)
+        specs, args = (), ()
+    out, cache = shard_map_logical(
+        local_with_window, in_specs=(BY_KV_HEAD, BY_KV_HEAD, BY_KV_HEAD, cache_specs, P(), P(), *specs),
+        out_specs=(BY_KV_HEAD, cache_specs))(q.reshape(t, kvh, h // kvh, d), k, v, cache, layer, meta, *args)
     return out.reshape(t, h, d), cache
 
 
 def _attend_local_heads(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
-                        meta: AttentionMetadata, *, sliding_window: int | None, kernels: Kernels):
+                        meta: AttentionMetadata, *, sliding_window, kernels: Kernels, scale: float,
+                        softcap: float | None):
     """attend_paged on the KV heads one device holds: q [T, kvh, q_per_kv, d] -> out [T, kvh, q_per_kv, d]."""
     t, kvh, group, d = q.shape
     q = q.reshape(t, kvh * group, d)
     cache = cache.write(layer, k, v, meta.slot_mapping)
     attend = kernels.decode_attention if meta.is_decode else kernels.attention
-    out = attend(q, cache, layer, meta, scale=d ** -0.5, sliding_window=sliding_window)
+    out = attend(q, cache, layer, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
     return out.astype(q.dtype).reshape(t, kvh, group, d), cache
 
 
@@ -66,6 +80,24 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array
     out, cache = attend_paged(q, k, v, KVCache(cache_k, cache_v), layer, meta, sliding_window=sliding_window,
                               kernels=kernels)
     return out, cache.k, cache.v
+
+
+def window_operand(sliding_window) -> jax.Array:
+    """A window as the int32 scalar the kernels read: a traced per-layer window, or a Python int / None (0)."""
+    return jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+
+
+def window_mask(key_pos: jax.Array, q_pos: jax.Array, sliding_window) -> jax.Array | bool:
+    """Keys inside the query's window: key_pos > q_pos - window. sliding_window: None (all keys), a Python int,
+    or a traced int32 where 0 means no window."""
+    if sliding_window is None:
+        return True
+    inside = key_pos > q_pos - sliding_window
+    return inside if isinstance(sliding_window, int) else inside | (sliding_window <= 0)
+
+
+def cap_scores(scores: jax.Array, softcap: float | None) -> jax.Array:
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _gather_pages(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -96,7 +128,7 @@ def _masked_softmax_attend(scores: jax.Array, mask: jax.Array, values: jax.Array
 
 
 def decode_attention_xla(q, cache_k, cache_v, layer, block_tables, context_lens, *, scale, sliding_window,
-                         k_scale=None, v_scale=None):
+                         softcap=None, k_scale=None, v_scale=None):
     """One query per sequence. q: [B, heads, head_dim] -> [B, heads, head_dim]. k_scale, v_scale: the int8
     cache's scale pools [layers, kv_heads, pages, page_size] (None for float caches)."""
     b, h, d = q.shape
@@ -108,11 +140,10 @@ def decode_attention_xla(q, cache_k, cache_v, layer, block_tables, context_lens,
     ks, vs = _gather_scales(k_scale, layer, block_tables), _gather_scales(v_scale, layer, block_tables)
     if ks is not None:
         scores, vs = scores * ks[:, :, None, :], vs[:, :, None, :]
+    scores = cap_scores(scores, softcap)
     key_pos = jnp.arange(keys.shape[2])[None, :]
     q_pos = (context_lens - 1)[:, None]
-    mask = key_pos <= q_pos
-    if sliding_window is not None:
-        mask &= key_pos > q_pos - sliding_window
+    mask = (key_pos <= q_pos) & window_mask(key_pos, q_pos, sliding_window)
     out = _masked_softmax_attend(scores, mask[:, None, None, :], values, "bkgc,bkcd->bkgd", vs)
     return out.reshape(b, h, d)
 
@@ -139,7 +170,7 @@ def query_blocks(query_start: jax.Array, num_tokens: int, block: int):
 
 
 def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *, scale, sliding_window,
-                         block: int = XLA_QUERY_BLOCK, k_scale=None, v_scale=None):
+                         softcap=None, block: int = XLA_QUERY_BLOCK, k_scale=None, v_scale=None):
     """Any mix of prompt chunks and decode tokens. q: [T, heads, head_dim] -> [T, heads, head_dim]."""
     t, h, d = q.shape
     kvh = cache_k.shape[1]
@@ -157,10 +188,9 @@ def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *,
     ks, vs = (_gather_scales(scale_pool, layer, meta.block_tables[s]) for scale_pool in (k_scale, v_scale))
     if ks is not None:
         scores, vs = scores * ks[:, :, None, None, :], vs[:, :, None, None, :]
+    scores = cap_scores(scores, softcap)
     key_pos = jnp.arange(keys.shape[2])[None, None, :]
-    mask = key_pos <= q_pos[:, :, None]  # [NB, block, C]
-    if sliding_window is not None:
-        mask &= key_pos > q_pos[:, :, None] - sliding_window
+    mask = (key_pos <= q_pos[:, :, None]) & window_mask(key_pos, q_pos[:, :, None], sliding_window)  # [NB, block, C]
     # Produce [NB, kvh, g, block, d] and transpose after: XLA:CPU has no bf16 x bf16 -> f32 dot that writes the
     # transposed "nqkgd" layout directly (UNIMPLEMENTED ... DotThunk::Execute), so bfloat16 prefill failed on CPU.
     out = _masked_softmax_attend(scores, mask[:, None, None, :, :], values, "nkgqc,nkcd->nkgqd", vs)
@@ -169,16 +199,15 @@ def ragged_attention_xla(q, cache_k, cache_v, layer, meta: AttentionMetadata, *,
     return jnp.zeros((t, h, d), out.dtype).at[dest].set(out, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window",))
-def reference_attention(q, k, v, *, sliding_window=None):
-    """Dense causal attention over one whole sequence (tests). q: [T, H, D]; k, v: [T, KVH, D]."""
+def reference_attention(q, k, v, *, sliding_window=None, scale=None, softcap=None):
+    """Dense causal attention over one whole sequence (tests, forward_dense). q: [T, H, D]; k, v: [T, KVH, D].
+    sliding_window: None, an int, or a traced int32 (0: none); scale defaults to D ** -0.5."""
     t, h, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(t, kvh, h // kvh, d)
-    scores = jnp.einsum("qkgd,ckd->kgqc", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
+    scores = cap_scores(jnp.einsum("qkgd,ckd->kgqc", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     pos = jnp.arange(t)
-    mask = pos[None, :] <= pos[:, None]
-    if sliding_window is not None:
-        mask &= pos[None, :] > pos[:, None] - sliding_window
+    mask = (pos[None, :] <= pos[:, None]) & window_mask(pos[None, :], pos[:, None], sliding_window)
     out = _masked_softmax_attend(scores, mask[None, None], v, "kgqc,ckd->qkgd")
     return out.reshape(t, h, d).astype(q.dtype)

@@ -1,7 +1,7 @@
 """The kernels a model runs, chosen once: a frozen bundle of callables the model calls without asking which.
 
     kernels = Kernels.resolve(attention="auto", matmul="auto", kv_dtype=jnp.bfloat16)   # at engine start
-    out = kernels.decode_attention(q, cache, layer, meta, scale=s, sliding_window=w)   # inside the model
+    out = kernels.decode_attention(q, cache, layer, meta, scale=s, sliding_window=w, softcap=c)   # in the model
     kernels.attention_name                                                              # "pallas" | "cpu" | "xla"
 
 Choices (the engine resolves `auto` from the backend and the cache dtype, once):
@@ -14,14 +14,18 @@ Choices (the engine resolves `auto` from the backend and the cache dtype, once):
                "cpu"     (one device on the CPU backend) the C++ weight-streaming kernel of jaxserve.cpu for products
                          of at most `stacked_rows` rows (decode steps) with float or int8 weights, reading a layer's
                          slice of the stacked weights in place; XLA for the rest, as "xla"
+    grouped    MoE experts (jaxserve.models.moe.grouped_matmul): jax.lax.ragged_dot, except on a CPU (decided when
+               the step is traced, like interpret mode), whose lowering of it multiplies every expert with every
+               row; there the tiled grouped matmul.
 
 A bundle is hashable and compares equal to another resolved from the same names (its fields are module-level
 functions), so jit can close over it as a static value.
 
 Contracts (the model calls these inside shard_map, on the KV heads one device holds):
 
-    attention(q [T, H, D], cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window) -> [T, H, D]
-        any mix of prompt chunks and decode tokens; decode_attention: the same for one query per sequence
+    attention(q [T, H, D], cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, softcap)
+        -> [T, H, D]: any mix of prompt chunks and decode tokens; decode_attention: the same for one query per
+        sequence. sliding_window: None, an int, or a traced int32 (0: none); softcap: None or a float
     matmul(x [M, K], values, scales[, zeros], *, scheme) -> [M, N] float32   (quantized weight as its matrix view;
         scheme: a jaxserve.quant.schemes name; act-order is applied to x before)
     stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32     (M <= stacked_rows)
@@ -36,6 +40,7 @@ import jax
 
 from jaxserve import cpu
 from jaxserve.kv.cache import AttentionMetadata, KVCache
+from jaxserve.models import moe
 from jaxserve.models.attention import decode_attention_xla, ragged_attention_xla
 from jaxserve.quant import schemes
 from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_paged_attention as rpa
@@ -56,6 +61,7 @@ class Kernels:
     matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
     stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
     stacked_rows: int = 0  # products of at most this many rows go to stacked_matmul
+    grouped_matmul: Callable = dataclasses.field(default=moe.grouped_matmul, repr=False)  # MoE experts
 
     @classmethod
     def resolve(cls, attention: str = "auto", matmul: str = "auto", kv_dtype=None,
@@ -114,31 +120,32 @@ def _scale_pools(cache: KVCache) -> dict:
     return dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
 
 
-def _xla_decode(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+def _xla_decode(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, softcap=None):
     return decode_attention_xla(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, scale=scale,
-                                sliding_window=sliding_window, **_scale_pools(cache))
+                                sliding_window=sliding_window, softcap=softcap, **_scale_pools(cache))
 
 
-def _xla_ragged(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+def _xla_ragged(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, softcap=None):
     return ragged_attention_xla(q, cache.k, cache.v, layer, meta, scale=scale, sliding_window=sliding_window,
-                                **_scale_pools(cache))
+                                softcap=softcap, **_scale_pools(cache))
 
 
-def _pallas_decode(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+def _pallas_decode(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, softcap=None):
     return pa.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, scale=scale,
-                              sliding_window=sliding_window, interpret=_interpret(), **_scale_pools(cache))
+                              sliding_window=sliding_window, softcap=softcap, interpret=_interpret(),
+                              **_scale_pools(cache))
 
 
-def _pallas_ragged(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+def _pallas_ragged(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, softcap=None):
     return rpa.ragged_paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens,
                                       meta.query_start, scale=scale, sliding_window=sliding_window,
-                                      interpret=_interpret(), **_scale_pools(cache))
+                                      softcap=softcap, interpret=_interpret(), **_scale_pools(cache))
 
 
-def _cpu_attention(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window):
+def _cpu_attention(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, sliding_window, softcap=None):
     """Decode included: a decode step's query_start is arange(S + 1)."""
     return cpu.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, meta.query_start,
-                               scale=scale, sliding_window=sliding_window)
+                               scale=scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def _xla_matmul(x, values, scales, zeros=None, *, scheme):

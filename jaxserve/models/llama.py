@@ -1,4 +1,7 @@
-"""The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) as a Flax NNX module.
+"""The decoder of every supported family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3) as a Flax NNX
+module. The families differ only in the ModelConfig fields that `jaxserve.config.FAMILY_FIELDS` sets per family
+(biases, q/k norms, Gemma's norm weighting, sandwich norms, GeGLU, soft-capping, per-layer windows and ropes) and
+in their converter tables (jaxserve.convert.names); this file reads those fields, nothing else names a family.
 
 Each weight is declared once in `weight_specs` (shape, logical axes, initialiser); the module, the converter's
 shape checks and the sharding rules all derive from that table. Layers are stacked ([layers, ...]) and run
@@ -18,15 +21,16 @@ biases stay float.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import SLIDING, ModelConfig
 from jaxserve.kv.cache import AttentionMetadata, KVCache
-from jaxserve.models import layers
+from jaxserve.models import layers, moe, rope
 from jaxserve.models.attention import attend_paged, reference_attention
 from jaxserve.models.kernels import XLA, Kernels
 from jaxserve.models.linear import QuantizedWeight, read_in_place, stacked_dense
@@ -47,24 +51,35 @@ def layer_weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """Per-layer weights, stacked on a leading `layers` axis."""
     L, E, F, H, K, D = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                         cfg.num_kv_heads, cfg.head_dim)
+    norm = "zeros" if cfg.norm_offset else "ones"  # a norm that multiplies by (1 + w) starts at w = 0
     specs = {
-        "attn_norm": WeightSpec((L, E), ("layers", "norm"), "ones", 0),
+        "attn_norm": WeightSpec((L, E), ("layers", "norm"), norm, 0),
         "wq": WeightSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim")),
         "wk": WeightSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim")),
         "wv": WeightSpec((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim")),
         "wo": WeightSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), contract=2),
-        "mlp_norm": WeightSpec((L, E), ("layers", "norm"), "ones", 0),
-        "w_gate": WeightSpec((L, E, F), ("layers", "embed", "mlp")),
-        "w_up": WeightSpec((L, E, F), ("layers", "embed", "mlp")),
-        "w_down": WeightSpec((L, F, E), ("layers", "mlp", "embed")),
+        "mlp_norm": WeightSpec((L, E), ("layers", "norm"), norm, 0),
     }
+    if cfg.is_moe:  # router (kept float: contract 0) and stacked experts [layers, experts, ...]
+        X = cfg.num_experts
+        specs["router"] = WeightSpec((L, E, X), ("layers", "embed", None), contract=0)
+        specs["we_gate"] = WeightSpec((L, X, E, F), ("layers", "experts", "embed", "mlp"), contract=0)
+        specs["we_up"] = WeightSpec((L, X, E, F), ("layers", "experts", "embed", "mlp"), contract=0)
+        specs["we_down"] = WeightSpec((L, X, F, E), ("layers", "experts", "mlp", "embed"), contract=0)
+    else:
+        specs["w_gate"] = WeightSpec((L, E, F), ("layers", "embed", "mlp"))
+        specs["w_up"] = WeightSpec((L, E, F), ("layers", "embed", "mlp"))
+        specs["w_down"] = WeightSpec((L, F, E), ("layers", "mlp", "embed"))
     if cfg.qkv_bias:
         specs["bq"] = WeightSpec((L, H, D), ("layers", "heads", "head_dim"), "zeros", 0)
         specs["bk"] = WeightSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros", 0)
         specs["bv"] = WeightSpec((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros", 0)
     if cfg.qk_norm:
-        specs["q_norm"] = WeightSpec((L, D), ("layers", "head_dim"), "ones", 0)
-        specs["k_norm"] = WeightSpec((L, D), ("layers", "head_dim"), "ones", 0)
+        specs["q_norm"] = WeightSpec((L, D), ("layers", "head_dim"), norm, 0)
+        specs["k_norm"] = WeightSpec((L, D), ("layers", "head_dim"), norm, 0)
+    if cfg.sandwich_norms:
+        specs["attn_post_norm"] = WeightSpec((L, E), ("layers", "norm"), norm, 0)
+        specs["mlp_post_norm"] = WeightSpec((L, E), ("layers", "norm"), norm, 0)
     return specs
 
 
@@ -72,7 +87,7 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """Every weight of the model by path ("embed", "layers/wq", ...)."""
     specs = {"embed": WeightSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), contract=0)}
     specs.update({f"layers/{name}": spec for name, spec in layer_weight_specs(cfg).items()})
-    specs["final_norm"] = WeightSpec((cfg.hidden_size,), ("norm",), "ones", 0)
+    specs["final_norm"] = WeightSpec((cfg.hidden_size,), ("norm",), "zeros" if cfg.norm_offset else "ones", 0)
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = WeightSpec((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
     return specs
@@ -130,22 +145,31 @@ class DecoderLayers(nnx.Module):
                 return out
             return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
 
-        h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+        norm = functools.partial(layers.rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
+        h = norm(x, self.attn_norm[...])
         q = dense(h, "wq", "...te,ehd->...thd")
         k = dense(h, "wk", "...te,ehd->...thd")
         v = dense(h, "wv", "...te,ehd->...thd")
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if cfg.qk_norm:
-            q = layers.rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = layers.rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+            q, k = norm(q, self.q_norm[...]), norm(k, self.k_norm[...])
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
         attn, aux = attend(q, k, v)
-        x = x + dense(attn, "wo", "...thd,hde->...te")
-        h = layers.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+        out = dense(attn, "wo", "...thd,hde->...te")
+        x = x + (norm(out, self.attn_post_norm[...]) if cfg.sandwich_norms else out)
+        out = self._mlp(norm(x, self.mlp_norm[...]), cfg, dense, kernels)
+        return x + (norm(out, self.mlp_post_norm[...]) if cfg.sandwich_norms else out), aux
+
+    def _mlp(self, h, cfg: ModelConfig, dense, kernels: Kernels):
+        activation = layers.ACTIVATIONS[cfg.hidden_act]
+        if cfg.is_moe:
+            return moe.routed_mlp(h, self.router[...], self.we_gate[...], self.we_up[...], self.we_down[...],
+                                  top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, activation=activation,
+                                  grouped_matmul=kernels.grouped_matmul)
         gate = dense(h, "w_gate", "...te,ef->...tf")
         up = dense(h, "w_up", "...te,ef->...tf")
-        return x + dense(jax.nn.silu(gate) * up, "w_down", "...tf,fe->...te"), aux
+        return dense(activation(gate) * up, "w_down", "...tf,fe->...te")
 
 
 class Llama(nnx.Module):
@@ -171,8 +195,8 @@ class Llama(nnx.Module):
         """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache.
         lora_slots [T] int32: each token's adapter slot (0: none), when adapter slots are attached."""
         cfg = self.cfg
-        x = self.embed[...][tokens]
-        cos, sin = self._rope(meta.positions, x.dtype)
+        x = self._embed(tokens)
+        rope_of_layer = self._rope(meta.positions, x.dtype)
         lora_mask = self._lora_mask(lora_slots, x.dtype)
         in_place = self._read_in_place(kernels, tokens.shape[0])
 
@@ -180,10 +204,10 @@ class Llama(nnx.Module):
             x, cache = carry
 
             def attend(q, k, v):
-                return attend_paged(q, k, v, cache, index, meta, sliding_window=cfg.sliding_window,
-                                    kernels=kernels)
+                return attend_paged(q, k, v, cache, index, meta, sliding_window=self._window(index),
+                                    scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping, kernels=kernels)
 
-            return layer(x, cos, sin, attend, cfg, kernels, lora_mask, in_place=(in_place, index))
+            return layer(x, *rope_of_layer(index), attend, cfg, kernels, lora_mask, in_place=(in_place, index))
 
         return self._scan_layers(one_layer, (x, cache), keep_stacked=in_place)
 
@@ -200,28 +224,52 @@ class Llama(nnx.Module):
         before attention), so scoring here gives what the engine computes with that cache. lora_slots [B, T]:
         each token's adapter slot, as in __call__."""
         cfg = self.cfg
-        x = self.embed[...][tokens]
-        cos, sin = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
+        x = self._embed(tokens)
+        rope_of_layer = self._rope(jnp.arange(tokens.shape[1]), x.dtype)
         lora_mask = self._lora_mask(lora_slots, x.dtype)
 
-        def dense_attention(q, k, v):
+        def dense_attention(q, k, v, window):
             if kv_cache_dtype is not None:
                 k, v = (dequantize_kv(*quantize_kv(t, kv_cache_dtype), t.dtype) for t in (k, v))
-            return jax.vmap(lambda *qkv: reference_attention(*qkv, sliding_window=cfg.sliding_window))(q, k, v)
+            return jax.vmap(lambda *qkv: reference_attention(
+                *qkv, sliding_window=window, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping))(q, k, v)
 
         def one_layer(layer, x, index):
-            return layer(x, cos, sin, lambda *qkv: (dense_attention(*qkv), None), cfg, kernels, lora_mask)[0]
+            attend = lambda *qkv: (dense_attention(*qkv, self._window(index)), None)  # noqa: E731
+            return layer(x, *rope_of_layer(index), attend, cfg, kernels, lora_mask)[0]
 
         return self.logits(self._scan_layers(one_layer, x), kernels)
 
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed[...][tokens]
+        if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the model dtype first, as transformers does
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        return x
+
     def _rope(self, positions, dtype):
-        return layers.rope_cos_sin(positions, layers.rope_inv_freq(self.cfg.rope, self.cfg.head_dim), dtype)
+        """layer index -> (cos, sin) of that layer. One table unless sliding layers have their own (Gemma 3)."""
+        cfg = self.cfg
+        tables = [rope.rope_cos_sin(positions, *rope.rope_frequencies(r, cfg.head_dim), dtype)
+                  for r in (cfg.rope, cfg.local_rope) if r is not None]
+        if len(tables) == 1:
+            return lambda index: tables[0]
+        is_sliding = jnp.asarray([kind == SLIDING for kind in cfg.layer_types])
+        return lambda index: jax.tree.map(lambda full, local: jnp.where(is_sliding[index], local, full), *tables)
+
+    def _window(self, index):
+        """The layer's sliding window: a Python int (or None) when every layer has the same, else the traced
+        int32 of layer `index` (0: that layer attends to the whole context)."""
+        windows = self.cfg.layer_windows()
+        if len(set(windows)) == 1:
+            return windows[0]
+        return jnp.asarray([w or 0 for w in windows], jnp.int32)[index]
 
     def _read_in_place(self, kernels: Kernels, rows: int) -> tuple[str, ...]:
         """The projections whose stacked weights kernels.stacked_matmul reads in place for products of `rows`."""
         if not kernels.reads_stacked(rows):
             return ()
-        return tuple(name for name in DecoderLayers.PROJECTIONS if read_in_place(getattr(self.layers, name)))
+        return tuple(name for name in DecoderLayers.PROJECTIONS
+                     if hasattr(self.layers, name) and read_in_place(getattr(self.layers, name)))  # MoE: no MLP ones
 
     def _scan_layers(self, body, carry, keep_stacked: tuple[str, ...] = ()):
         """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan. The weights
@@ -244,13 +292,14 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: jax.Array, kernels: Kernels = XLA) -> jax.Array:
         """[..., hidden] -> [..., vocab] float32 logits (applies the final norm)."""
-        h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps)
+        h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_word_embeddings:
-            return jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        rows = math.prod(h.shape[:-1])
-        if kernels.reads_stacked(rows) and read_in_place(self.lm_head):  # a [hidden, vocab] weight is one layer
-            return stacked_dense(h, self.lm_head, "...e,ev->...v", kernels)
-        return _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
+            logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        elif kernels.reads_stacked(math.prod(h.shape[:-1])) and read_in_place(self.lm_head):
+            logits = stacked_dense(h, self.lm_head, "...e,ev->...v", kernels)  # [hidden, vocab]: one "layer"
+        else:
+            logits = _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
+        return layers.softcap(logits, self.cfg.final_logit_softcapping)
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:

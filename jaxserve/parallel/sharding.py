@@ -8,7 +8,9 @@
 
     RULES      logical axis -> mesh axis (Megatron-style): q/k/v/gate/up are column-parallel (split on their
                output heads / kv_heads / mlp), o/down row-parallel (split on the same axes, as inputs), the
-               embedding and the LM head vocab-parallel; the KV cache splits on kv_heads. Every other logical
+               embedding and the LM head vocab-parallel; the KV cache splits on kv_heads; MoE experts split
+               across devices (expert parallelism; an expert's own mlp axis then stays whole, as a mesh axis
+               is used once per array, first dimension first). Every other logical
                axis (embed, head_dim, layers, norm, pages, ...) is replicated.
     Sharder    RULES resolved for one model on one mesh: a logical axis stays replicated when some array's
                dimension of that axis does not divide by the mesh axis (e.g. 2 KV heads on 4 devices), so
@@ -33,7 +35,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA, MODEL = "data", "model"
 MESH_AXES = (DATA, MODEL)
-RULES: Mapping[str, str] = MappingProxyType({"vocab": MODEL, "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL})
+RULES: Mapping[str, str] = MappingProxyType({"vocab": MODEL, "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL,
+                                             "experts": MODEL})
 
 LogicalAxes = Sequence[str | None]
 
@@ -141,7 +144,7 @@ def shard_map_logical(fn: Callable, in_specs, out_specs, sum_over: Sequence[str 
             return fn(*args)
         rules = divisible_rules(_named_shapes(in_specs, args), dict(zip(mesh.axis_names, mesh.axis_sizes)))
         to_mesh = lambda tree: jax.tree.map(lambda spec: _mesh_spec(spec, rules), tree)  # noqa: E731
-        summed = tuple(rules[name] for name in sum_over if name in rules)
+        summed = tuple(dict.fromkeys(rules[name] for name in sum_over if name in rules))  # each mesh axis once
         body = (lambda *a: jax.lax.psum(fn(*a), summed)) if summed else fn
         # check_vma=False: pallas_call out_shapes carry no varying-axes annotation (JAX asks for it otherwise)
         return jax.shard_map(body, mesh=mesh, in_specs=to_mesh(in_specs), out_specs=to_mesh(out_specs),

@@ -9,6 +9,7 @@ tokens and post-processor, and rebuild the rest:
     LlamaTokenizer   none         Metaspace("▁", prepend "first", or          "▁"→" ", byte fallback, fuse,
                                   "always" if "legacy": true)                  strip one leading space
     Qwen2Tokenizer   NFC          Qwen2's split regex, then ByteLevel         ByteLevel
+    GemmaTokenizer   " "→"▁"      split on " ", merged with the previous      "▁"→" ", byte fallback, fuse
     anything else    tokenizer.json as written
 
 A directory with only a sentencepiece tokenizer.model becomes a LlamaTokenizer built from its pieces. One deliberate
@@ -29,10 +30,12 @@ from jaxserve.tokenizer.special_tokens import SpecialTokens
 
 LLAMA = "LlamaTokenizer"
 QWEN2 = "Qwen2Tokenizer"
+GEMMA = "GemmaTokenizer"
 AS_WRITTEN = "TokenizersBackend"
 # transformers' TOKENIZER_MAPPING_NAMES for the model types we serve (None: no class of its own).
 MODEL_TYPE_CLASSES = {"llama": None, "mistral": AS_WRITTEN, "mixtral": AS_WRITTEN, "qwen2": QWEN2,
-                      "qwen2_moe": QWEN2, "qwen3": QWEN2, "qwen3_moe": QWEN2}
+                      "qwen2_moe": QWEN2, "qwen3": QWEN2, "qwen3_moe": QWEN2, "gemma2": GEMMA, "gemma3": GEMMA,
+                      "gemma3_text": GEMMA, "phi3": AS_WRITTEN}
 # Model types whose tokenizer_config.json class transformers overrides with its own (part of
 # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS).
 OVERRIDDEN_CLASS_MODEL_TYPES = ("qwen2", "phi3")
@@ -99,11 +102,18 @@ def set_qwen2_pipeline(backend: Tokenizer, config: dict[str, Any]) -> None:
     backend.decoder = decoders.ByteLevel()
 
 
+def set_gemma_pipeline(backend: Tokenizer, config: dict[str, Any]) -> None:
+    """GemmaTokenizer's: spaces become "▁" (no prefix space); the BPE model keeps its byte fallback."""
+    backend.normalizer = normalizers.Replace(" ", METASPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
 def keep_pipeline(backend: Tokenizer, config: dict[str, Any]) -> None:
     """tokenizer.json as written."""
 
 
-CLASS_PIPELINES = {LLAMA: set_llama_pipeline, QWEN2: set_qwen2_pipeline}
+CLASS_PIPELINES = {LLAMA: set_llama_pipeline, QWEN2: set_qwen2_pipeline, GEMMA: set_gemma_pipeline}
 
 
 def sentencepiece_backend(spm: SentencePieceModel) -> Tokenizer:
