@@ -40,7 +40,6 @@ import struct
 from pathlib import Path
 from typing import Any, ClassVar
 
-import ml_dtypes
 import numpy as np
 
 from jaxserve.convert.hf_source import ConvertError, HFSource, TensorReader
@@ -312,7 +311,7 @@ class ImportedTensors:
         values = schemes.pack_int4(q) if lin.source.kind == "int4" else q.astype(schemes.VALUE_DTYPES[lin.source.kind])
         out = {"values": np.asarray(values), "scales": scales.astype(np.float32)}
         if zeros is not None:
-            out["zeros"] = zeros.astype(np.float32).astype(ml_dtypes.bfloat16)
+            out["zeros"] = zeros.astype(np.float32).astype(schemes.ZEROS_DTYPE)
         if perm is not None:
             out["perm"] = perm.astype(np.int32)
         return out
@@ -620,7 +619,7 @@ def _scales_and_zeros(lin: _Linear, scales: np.ndarray, zeros: np.ndarray | None
 
 
 def read_fp8(reader: TensorReader, name: str) -> np.ndarray:
-    """An F8_E4M3 tensor as ml_dtypes.float8_e4m3fn (safetensors' numpy reader has no fp8 type): read from the
+    """An F8_E4M3 tensor as float8_e4m3fn (safetensors' numpy reader has no fp8 type): read from the
     shard's header and data directly (memory-mapped)."""
     path = reader.shard(name)
     with open(path, "rb") as f:
@@ -628,7 +627,7 @@ def read_fp8(reader: TensorReader, name: str) -> np.ndarray:
         entry = json.loads(f.read(header_len))[name]
     begin, end = entry["data_offsets"]
     data = np.memmap(path, np.uint8, "r", offset=8 + header_len + begin, shape=(end - begin,))
-    return np.asarray(data).view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
+    return np.asarray(data).view(schemes.VALUE_DTYPES["fp8"]).reshape(entry["shape"])
 
 
 def quantized_linears(targets: dict[str, Any]) -> dict[str, Shape]:
