@@ -282,6 +282,8 @@ def test_stalled_readers_cost_the_event_loop_nothing(server):
     wait_idle(server)
     gc.collect()
     rss_after = process.memory_info().rss
+    print(f"stalled readers: /health max {max(latencies) * 1000:.1f} ms over {len(latencies)} probes; "
+          f"RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB")
     assert rss_after < rss_before * 1.10, (rss_before / 2**20, rss_after / 2**20)
     assert completes(server.url)
 
