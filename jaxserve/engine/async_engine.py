@@ -121,7 +121,8 @@ class AsyncEngine:
                  step_timeout: float | None = None):
         self._core = core
         self.info = engine_info(core)
-        self._grammars = core.structured.compiler  # thread-safe; the rest of the core is the engine thread's
+        # the core's grammar compiler (thread-safe; the rest of the core is the engine thread's), if it has one
+        self._grammars = getattr(getattr(core, "structured", None), "compiler", None)
         self._monitor = monitor
         self.max_queued_requests = max_queued_requests
         self._rebuild = rebuild
@@ -211,7 +212,8 @@ class AsyncEngine:
         closing it before the last one aborts the request."""
         text, prompt_ids = tokenize(self.info.tokenizer, prompt)
         validate_request(prompt_ids, params, self.info.limits)
-        if params.structured_outputs is not None:  # compiled here, off the engine thread; the core finds it cached
+        if params.structured_outputs is not None and self._grammars is not None:
+            # compiled here, off the engine thread and the event loop; the core finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         processor = self._processor(loop)
