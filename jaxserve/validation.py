@@ -92,6 +92,7 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    speculative: bool = False  # the engine speculates (no structured output there yet)
 
 
 class InvalidRequestError(ValueError):
@@ -128,6 +129,10 @@ def validate_request(prompt_token_ids: Sequence[int], params: "SamplingParams", 
     _check_token_ids("logit_bias", (token for token, _ in params.logit_bias), limits.vocab_size)
     _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
     _check_prompt(prompt_token_ids, params, limits)
+    if limits.speculative and params.structured_outputs is not None:
+        raise InvalidRequestError("structured output is not available on a server with speculative decoding "
+                                  "(--speculative-method) yet: its verify step does not apply the grammar's mask",
+                                  "structured_outputs")
 
 
 def validate_sampling_params(params: "SamplingParams") -> None:

@@ -192,3 +192,14 @@ def test_ngram_greedy_equals_plain_greedy_on_the_demo_model():
     plain, speculative, spec = greedy_both_ways(DEMO, [tokenizer.encode(t) for t in texts], 64, config)
     assert speculative == plain
     assert spec.num_accepted_tokens > 0
+
+
+def test_structured_output_is_refused_while_speculating(spec_engine):
+    """The verify step does not apply a grammar's mask yet: a constrained request is a clear 400, not wrong JSON."""
+    from jaxserve.structured.params import StructuredOutputsParams
+    from jaxserve.validation import InvalidRequestError
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(InvalidRequestError, match="speculative decoding") as error:
+        spec_engine.add_request("constrained", [1, 2, 3], params)
+    assert error.value.param == "structured_outputs"
+    assert not spec_engine.has_unfinished_requests()

@@ -85,7 +85,7 @@ _STOP = object()
 
 def engine_info(core: EngineCore) -> EngineInfo:
     return EngineInfo(core.tokenizer, core.model_config, core.max_model_len, core.config.compilation_cache_dir,
-                      cache_config(core))
+                      cache_config(core), core.speculation is not None)
 
 
 def cache_config(core: EngineCore) -> tuple[tuple[str, str], ...]:

@@ -47,10 +47,11 @@ class EngineInfo:
     max_model_len: int
     compilation_cache_dir: str | None = None  # where the device-ceilings cache lives too
     cache_config: tuple[tuple[str, str], ...] = ()  # the KV cache's settings, as vLLM's cache_config_info labels
+    speculative: bool = False  # speculative decoding is on
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.model_config.vocab_size, self.max_model_len)
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len, self.speculative)
 
     @property
     def vocab_size(self) -> int:

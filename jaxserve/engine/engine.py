@@ -179,7 +179,7 @@ class EngineCore:
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.model_config.vocab_size, self.max_model_len)
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len, self.speculation is not None)
 
     @property
     def weight_bytes(self) -> int:
