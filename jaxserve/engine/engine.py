@@ -621,11 +621,11 @@ def prompt_logprobs_chunks(pending: PendingStep) -> dict[int, PromptLogprobsChun
 
 def checked_speculation(config: EngineConfig):
     """The engine's speculative-decoding settings (jaxserve.config.SpeculativeConfig), or None when off."""
+    if config.speculative_method == "draft":
+        raise ConfigError("--speculative-method draft is not implemented yet; use --speculative-method ngram")
     spec = config.speculation()
     if spec is None:
         return None
-    if spec.method == "draft":
-        raise ConfigError("--speculative-method draft is not implemented yet; use --speculative-method ngram")
     if config.coordinator_address is not None:
         raise ConfigError("speculative decoding is single-host for now: drop --speculative-method or "
                           "--coordinator-address")
