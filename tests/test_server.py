@@ -399,7 +399,7 @@ BAD_CHATS = [
     ({"messages": [USER], "max_tokens": 1000}, "max_tokens"),
     ({"messages": [USER], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [USER], "response_format": {"type": "json_schema"}}, "response_format.json_schema"),  # no schema
     ({"messages": [USER], "model": "gpt-4"}, "model"),
     ({"messages": [USER], "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ]
