@@ -218,7 +218,8 @@ class FakeReplica:
     def stats(self):
         return SchedulerStats(num_running=self.num_running, num_waiting=self.num_waiting)
 
-    async def add_request(self, request_id, prompt, params, *, priority=0, prompt_text=None, kind=None):
+    async def add_request(self, request_id, prompt, params, *, priority=0, prompt_text=None, kind=None,
+                          lora_name=None):
         self.num_queued += 1  # accepted, never scheduled: these fakes do not run anything
         await asyncio.sleep(0)
         self.accepted.append(request_id)
