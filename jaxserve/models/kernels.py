@@ -11,9 +11,9 @@ Choices (the engine resolves `auto` from the backend and the cache dtype, once):
                "xla"     the jnp implementations in jaxserve.models.attention, everywhere
     matmul     "pallas"  pallas_kernels.quant_matmul for quantized weights, run under shard_map (GSPMD cannot split
                          a kernel); "xla" the jnp product of jaxserve.quant.schemes. Float weights are one einsum.
-    grouped    MoE experts (jaxserve.models.moe.grouped_matmul): jax.lax.ragged_dot, except on a CPU (decided when
-               the step is traced, like interpret mode), whose lowering of it multiplies every expert with every
-               row; there the tiled grouped matmul.
+    grouped    MoE experts (jaxserve.models.moe.grouped_matmul): jax.lax.ragged_dot, except for decode-sized steps
+               on a CPU (decided when the step is traced, like interpret mode), whose lowering of ragged_dot
+               multiplies every expert with every row; there the tiled grouped matmul.
 
 A bundle is hashable and compares equal to another resolved from the same names (its fields are module-level
 functions), so jit can close over it as a static value.
