@@ -136,7 +136,7 @@ class ModelConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameter count as Hugging Face counts it (tied embeddings once). `active`: a MoE model's parameters
         that one token uses (its num_experts_per_tok experts, not all of them)."""
-        e, f, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        e, v, d = self.hidden_size, self.vocab_size, self.head_dim
         attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
@@ -292,8 +292,9 @@ def _moe(hf: dict[str, Any], norm_topk_prob: bool | None) -> dict[str, Any]:
     if hf.get("shared_expert_intermediate_size"):
         raise ConfigError("shared experts (shared_expert_intermediate_size) are not supported; jaxserve serves "
                           "Mixtral and Qwen3-MoE, which have none.")
-    experts = hf.get("num_local_experts") or hf.get("num_experts")  # Mixtral's name; Qwen3-MoE's (transformers 5
-    if not experts:                                                  # writes both families' as num_local_experts)
+    # Mixtral's name, then Qwen3-MoE's (transformers 5 writes both families' as num_local_experts)
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
         raise ConfigError("a MoE config.json needs num_local_experts (or num_experts); restore it from the model's "
                           "repository.")
     return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),

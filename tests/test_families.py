@@ -281,7 +281,8 @@ def _greedy_through_engine(model_dir, attention: str, prompts: list[list[int]]):
 # Every family on the XLA and C++ paths; the Pallas kernels (interpret mode, slow on a CPU) on the families that
 # exercise something new in them: soft-capping with per-layer windows, per-layer ropes, partial rotary, MoE.
 ENGINE_CASES = ([(family, attention) for family in FAMILIES for attention in ("xla", "cpu")]
-                + [(family, "pallas") for family in ("gemma2", "gemma3", "phi3", "qwen3-moe")])
+                + [(family, "pallas") for family in ("gemma2", "qwen3-moe")]
+                + [pytest.param(family, "pallas", marks=pytest.mark.slow) for family in ("gemma3", "phi3")])
 
 
 @pytest.mark.parametrize("family,attention", ENGINE_CASES)

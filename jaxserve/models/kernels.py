@@ -14,9 +14,9 @@ Choices (the engine resolves `auto` from the backend and the cache dtype, once):
                "cpu"     (one device on the CPU backend) the C++ weight-streaming kernel of jaxserve.cpu for products
                          of at most `stacked_rows` rows (decode steps) with float or int8 weights, reading a layer's
                          slice of the stacked weights in place; XLA for the rest, as "xla"
-    grouped    MoE experts (jaxserve.models.moe.grouped_matmul): jax.lax.ragged_dot, except on a CPU (decided when
-               the step is traced, like interpret mode), whose lowering of it multiplies every expert with every
-               row; there the tiled grouped matmul.
+    grouped    MoE experts (jaxserve.models.moe.grouped_matmul): jax.lax.ragged_dot, except for decode-sized steps
+               on a CPU (decided when the step is traced, like interpret mode), whose lowering of ragged_dot
+               multiplies every expert with every row; there the tiled grouped matmul.
 
 A bundle is hashable and compares equal to another resolved from the same names (its fields are module-level
 functions), so jit can close over it as a static value.
