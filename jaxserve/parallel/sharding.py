@@ -81,8 +81,11 @@ def _mesh_spec(axes: LogicalAxes, rules: Mapping[str, str]) -> PartitionSpec:
 
 def divisible_rules(named_shapes: Iterable[tuple[LogicalAxes, tuple[int, ...]]], mesh_shape: Mapping[str, int],
                     rules: Mapping[str, str] = RULES) -> Mapping[str, str]:
-    """`rules` without the logical axes some array cannot split evenly over their mesh axis."""
-    kept = dict(rules)
+    """`rules` for the logical axes the arrays have, without those some array cannot split evenly over their mesh
+    axis (a dense model's rules name no `experts`)."""
+    named_shapes = list(named_shapes)
+    present = {name for axes, _ in named_shapes for name in axes}
+    kept = {name: axis for name, axis in rules.items() if name in present}
     for axes, shape in named_shapes:
         for name, size in zip(axes, shape):
             if name in kept and size % mesh_shape[kept[name]]:
