@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
@@ -19,13 +18,10 @@ from jaxserve.lora import LoRARequest
 from jaxserve.lora.adapter import LoraError, read_adapter
 from jaxserve.lora.slots import AdapterSlots
 from jaxserve.lora.weights import merged_weights
-from jaxserve.models.llama import random_model
 from jaxserve.sampling_params import SamplingParams
 from lora_adapters import merged_model, write_adapter
+from test_engine import MODEL, model  # noqa: F401 (the fixture)
 
-MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-                    dtype="float32")
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=128,
                       decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(16, 64), context_buckets=(128,),
                       kv_cache_memory=2**21, xla_optimization_level=0, compilation_cache_dir="",
@@ -33,14 +29,6 @@ ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, ma
 # three adapters of two ranks and different target sets, through two slots: the third waits and swaps in
 ADAPTERS = {"sql": dict(rank=4, seed=1), "chat": dict(rank=8, seed=2, modules=("q_proj", "v_proj", "down_proj")),
             "math": dict(rank=2, seed=3, modules=("k_proj", "o_proj", "gate_proj", "up_proj"), use_rslora=True)}
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = random_model(MODEL, jnp.float32, seed=0)
-    state = nnx.state(m, nnx.Param)
-    nnx.update(m, jax.tree.map(lambda w: w * 8 if w.ndim >= 2 else w, state))
-    return m
 
 
 @pytest.fixture(scope="module")

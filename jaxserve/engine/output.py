@@ -115,7 +115,7 @@ class _SampleTimes:
     def token_step(self, now: float) -> None:
         if self.first_token is None:
             self.first_token = now
-        else:
+        elif now > self.last_token:  # the n samples of a request get their tokens at the same `now`
             self.gaps.append(now - self.last_token)
         self.last_token = now
 
@@ -123,22 +123,13 @@ class _SampleTimes:
         return SampleMetrics(self.scheduled, self.first_token, self.last_token, tuple(self.gaps))
 
 
-class _Times:
-    """A request's metrics while it runs (the final output gets a frozen RequestMetrics)."""
+class _Times(_SampleTimes):
+    """A request's metrics while it runs (the final output gets a frozen RequestMetrics): its samples' steps
+    together."""
 
     def __init__(self, arrival: float):
+        super().__init__()
         self.arrival = arrival
-        self.scheduled: float | None = None
-        self.first_token: float | None = None
-        self.last_token: float | None = None
-        self.gaps: list[float] = []
-
-    def token_step(self, now: float) -> None:
-        if self.first_token is None:
-            self.first_token = now
-        elif now > self.last_token:  # the n samples of a request get their tokens at the same `now`
-            self.gaps.append(now - self.last_token)
-        self.last_token = now
 
     def frozen(self, finished: float | None, samples: tuple[SampleMetrics, ...]) -> RequestMetrics:
         return RequestMetrics(self.arrival, self.scheduled, self.first_token, self.last_token, finished,
