@@ -4,6 +4,8 @@ and unload behind their flag and the API key, unknown names are OpenAI's 404."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -124,8 +126,11 @@ def test_load_and_unload_at_run_time(servers, adapters, offline):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "lora_adapter_not_found"
 
 
-def test_unloading_an_adapter_in_use_is_refused(servers):
+def test_unloading_an_adapter_in_use_is_refused(servers, offline, monkeypatch):
     on, _ = servers
+    core = offline["engine"].core
+    step = core.step
+    monkeypatch.setattr(core, "step", lambda: time.sleep(0.02) or step())  # the request must outlive the unload
     with httpx.Client(base_url=on.url, headers=AUTH, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={"model": "sql", "prompt": PROMPT, "max_tokens": 200,
                                                           "ignore_eos": True, "stream": True}) as stream:
