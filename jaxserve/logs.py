@@ -55,10 +55,22 @@ class _Handler(logging.StreamHandler):
     """The handler configure_logging installs (a later call replaces it, and only it)."""
 
 
+class _StderrHandler(_Handler):
+    """Writes to whatever sys.stderr is when a record comes (as logging's last-resort handler does), not to the
+    stream it was when configured: an embedding process (or a test runner) may replace and close that one."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
 def configure_logging(level: str = "info", format: str = "text", stream: TextIO | None = None) -> None:
     """Gives the root logger one handler writing to `stream` (default stderr), replacing an earlier call's."""
     check_log_options(level, format)
-    handler = _Handler(stream if stream is not None else sys.stderr)
+    handler = _Handler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(JsonFormatter() if format == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, _Handler)] + [handler]
