@@ -190,5 +190,7 @@ def test_serve_start_up_log_in_a_file_is_one_json_object_per_line_from_our_logge
     info = [e for e in entries if e["level"] in ("INFO", "DEBUG")]
     assert {e["logger"].split(".")[0] for e in info} <= {"jaxserve", "uvicorn"}, info
     messages = " ".join(e["message"] for e in info)
-    assert "engine ready" in messages and "compiling step shapes" in messages and "serving" in messages
+    # ("compiling step shapes" appears only when shapes are left after the memory plan's measuring compiles: with
+    # this tiny ladder and enough free memory there are none)
+    assert "engine ready" in messages and "serving" in messages
     assert any(e["logger"].startswith("uvicorn") for e in info), "uvicorn's start-up lines are missing"
