@@ -130,6 +130,7 @@ class FakeEngine:
         self.max_model_len = 64
         self.config = EngineConfig()
         self.kv_plan = types.SimpleNamespace(num_pages=32)  # for the cache_config_info labels
+        self.speculation = None  # EngineCore.speculation: no speculative decoding
         self.progress: dict[str, tuple[int, int]] = {}
         self.aborted: list[str] = []
         self.fail_on_step = fail_on_step

@@ -437,7 +437,8 @@ class EngineCore:
             if u.finished:
                 self.structured.drop(u.request_id, u.index)
             else:
-                self.structured.accept(u.request_id, u.index, u.token.token_id)
+                for token in u.tokens:  # one (constrained samples do not speculate)
+                    self.structured.accept(u.request_id, u.index, token.token_id)
 
 
 class LLMEngine:
