@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxserve.models.kernels import resolve_matmul
 from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.models.kernels import resolve_matmul
 from jaxserve.models.llama import random_model
 from jaxserve.quant.kv import kv_storage_dtype
 from jaxserve.quant.model import quantize_model
