@@ -436,7 +436,7 @@ def test_moe_step_lowers_for_cuda_with_the_experts_split(monkeypatch):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     shape = StepShape("prefill", 32, 4, 4)
     inputs = StepInputs(i32(4, 4), i32(4), i32(5), i32(4), jax.ShapeDtypeStruct((4,), jnp.bool_),
-                        jax.ShapeDtypeStruct((6,), jnp.bool_))
+                        jax.ShapeDtypeStruct((NUM_FLAGS,), jnp.bool_), i32(4))
     step = functools.partial(model_step, graphdef, shape=shape, page_size=16, kernels=Kernels.resolve("xla", "xla"))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model picks the GPU's grouped matmul
     pair = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
