@@ -186,6 +186,10 @@ def timed_run(engine, prompts, params) -> tuple[int, float]:
 def part_throughput(args) -> list[dict]:
     from jaxserve.sampling_params import SamplingParams
     engine = build_engine(args, max(args.batch_sizes))
+    started = time.perf_counter()
+    late = engine.core.prepare_late_masks(wait=True)  # steady state: what the first constrained request starts
+    print(f"split decode executables (late masks): {'ready' if late else 'not available'} after "
+          f"{time.perf_counter() - started:.1f} s")
     timer = MaskTimer(engine.core.structured)
     constraint = StructuredOutputsParams(json=RECORDS, disable_any_whitespace=True)
     started = time.perf_counter()

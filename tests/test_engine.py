@@ -161,13 +161,17 @@ def test_mixed_traffic_never_compiles(engine):
                 for i, p in enumerate(prompts)]
     run_staggered(engine, requests, per_step=2)
     assert len(compiles) == before
-    assert engine.core.runner.num_executables == len(engine.core.buckets.shapes())  # one executable per step shape
+    runner, shapes = engine.core.runner, engine.core.buckets.shapes()
+    assert set(runner.executables) == set(shapes)  # one executable per step shape (and, once structured output
+    assert runner.num_executables == len(shapes) + len(runner.forwards) + len(runner.samplers)  # ran, the halves)
 
 
 def test_steps_update_the_cache_in_place(engine):
     kv = engine.core.runner.kv
     cache_type = f"f32[{','.join(map(str, kv.k.shape))}]"
-    for shape, executable in engine.core.runner.executables.items():
+    runner = engine.core.runner
+    assert engine.core.prepare_late_masks(wait=True) and runner.forwards  # the split decode halves write it too
+    for shape, executable in [*runner.executables.items(), *runner.forwards.items()]:
         analysis = executable.memory_analysis()
         assert analysis.alias_size_in_bytes >= engine.core.kv_plan.cache_bytes, shape  # donated cache = output cache
         copies = [line for line in executable.as_text().splitlines()

@@ -10,6 +10,7 @@ from fakes import FakeDevice, reference_continuation, run_to_completion
 from jaxserve.kv.allocator import PageAllocator
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import SampledToken, Scheduler, SchedulerConfig
+from jaxserve.structured import StructuredOutputsParams
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=8, budget=32, max_model_len=128, prefix_caching=True):
@@ -268,3 +269,42 @@ def test_aborting_a_sibling_that_waits_with_shared_prompt_pages_frees_them():
     sched.abort_request("n2")
     sched.check_invariants()
     assert sched.allocator.num_used_pages == 0 and not sched.has_requests
+
+
+@pytest.mark.parametrize("late_masks", [True, False])
+def test_constrained_sequences_run_one_step_ahead_only_in_pure_decode_steps(late_masks):
+    """A constrained sequence's mask needs its newest token. With late_masks it decodes while that token is in
+    flight, but only in a step with no prompt work (the engine's split executables are decode shapes); without,
+    it waits for the token. Either way every token is the one the sequence would get alone."""
+    config = SchedulerConfig(8, 32, 128, 4, late_masks=late_masks)
+    sched = Scheduler(config, PageAllocator(64, 4, True), eos_token_ids=())
+    dev = FakeDevice(64, 4, config.num_slots)
+    constrained = SamplingParams(temperature=0.0, max_tokens=8,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    c, = sched.add_request("c", [1, 2, 3], constrained)
+    u, = sched.add_request("u", [4, 5], greedy(8))
+    first = sched.schedule()
+    first_result = dev.execute(first)
+    second = sched.schedule()  # both tokens still in flight: a pure decode step
+    assert second.is_decode and {r.request_id for r in second.seqs} == ({"c", "u"} if late_masks else {"u"})
+    assert second.late_mask == late_masks
+    sched.update(first, first_result)
+    second_result = dev.execute(second)
+    w, = sched.add_request("w", [6, 7, 8], greedy(2))
+    third = sched.schedule()  # a prompt to prefill: "c" waits for its token again
+    assert {r.request_id for r in third.seqs} == ({"u", "w"} if late_masks else {"c", "u", "w"})
+    assert not third.late_mask
+    pending = [(third, dev.execute(third))]
+    sched.update(second, second_result)
+    while sched.has_work:  # on, one step ahead
+        plan = sched.schedule()
+        pending.append((plan, dev.execute(plan)))
+        sched.update(*pending.pop(0))
+        if plan.late_mask:
+            assert plan.is_decode and not plan.new_slots
+    sched.update(*pending.pop(0))
+    assert c.output_token_ids == reference_continuation([1, 2, 3], 8)
+    assert u.output_token_ids == reference_continuation([4, 5], 8)
+    assert w.output_token_ids == reference_continuation([6, 7, 8], 2)
+    assert sched.allocator.num_used_pages == 0
+    sched.check_invariants()

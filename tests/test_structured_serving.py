@@ -143,6 +143,57 @@ def test_preempted_constrained_sequences_stay_valid(model_dir):
         jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_late_masks_keep_constrained_rows_one_step_ahead(model_dir):
+    """With async scheduling, a decode step carrying constrained rows goes out as its forward half before the
+    previous step is read and gets its masks after: the same tokens as the engine without the overlap (seeded
+    samples and a greedy row beside them), one engine step per token rather than two. The split executables
+    are not compiled at start-up; the first constrained request starts their compile in the background."""
+    regex = "[a-z]{24}"
+    prompts = ["Letters:", "More letters:", "Some text", "Plain"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=regex)) for i in range(3)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=24))
+    tokens, late, steps = {}, {}, {}
+    for overlap in (True, False):
+        engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE.replace(async_scheduling=overlap),
+                                          show_progress=False)
+        core = engine.core
+        assert not core.runner.forwards and not core.runner.samplers
+        assert core.prepare_late_masks(wait=True) == overlap  # (a constrained request would start it too)
+        plans = []
+        schedule, step = core.scheduler.schedule, core.step
+        core.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        outputs = LLM(engine=engine).generate(prompts, params)
+        tokens[overlap] = [o.outputs[0].token_ids for o in outputs]
+        assert all(re.fullmatch(regex, o.outputs[0].text) for o in outputs[:3])
+        late[overlap] = sum(plan.late_mask for plan in plans)
+        calls = [0]
+        core.step = lambda: calls.__setitem__(0, calls[0] + 1) or step()
+        alone = LLM(engine=engine).generate(["Alone:"], params[0])[0].outputs[0]
+        steps[overlap] = (calls[0], len(alone.token_ids))
+        if overlap:
+            decodes = {shape for shape in core.buckets.shapes() if shape.kind == "decode"}
+            assert set(core.runner.forwards) == decodes
+            assert set(core.runner.samplers) == {shape.seqs for shape in decodes}
+        else:
+            assert not core.runner.forwards and not core.runner.samplers
+        engine.close()
+    assert tokens[True] == tokens[False]
+    assert late[True] >= max(len(t) for t in tokens[True][:3]) - 2 and late[False] == 0
+    calls, generated = steps[True]
+    assert calls <= generated + 3, steps  # without late masks a lone constrained row took two steps per token
+
+
+def test_the_first_constrained_request_starts_the_split_compile(llm):
+    core = llm.engine.core
+    llm.generate(["x"], constrained(choice=["ok"]))
+    assert core._split_decode is not None  # compiling in the background, or done
+    core._split_decode.result(timeout=600)
+    texts = finished_texts(llm.generate(["y", "z"], constrained(regex="[a-z]{12}", max_tokens=12)))
+    assert all(re.fullmatch("[a-z]{12}", text) for text in texts)
+    assert core.scheduler.config.late_masks and core.runner.forwards  # picked up by the engine thread
+
+
 # ---- the server --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(engine, model_dir):

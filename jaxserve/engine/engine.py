@@ -13,6 +13,7 @@ Timing and cost accounting sit behind `self.meter` (jaxserve.engine.stats.StepMe
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import operator
@@ -35,7 +36,7 @@ from jaxserve.engine.messages import (EngineRequest, PromptLogprobsChunk, Sample
 from jaxserve.engine.output import OutputProcessor
 from jaxserve.engine.placement import (abstract_on_mesh, create_on_mesh, engine_mesh, free_memory, kv_cache_shardings,
                                        model_sharder, place_model)
-from jaxserve.engine.runner import ModelRunner, PendingStep
+from jaxserve.engine.runner import ModelRunner, PendingForward, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import NullMeter, StepMeter, StepRecord
 from jaxserve.kv.allocator import PageAllocator
@@ -102,7 +103,7 @@ class EngineCore:
         self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages))
         self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         self.compile_seconds = time.perf_counter() - started
-        self.temporaries = transient_bytes(self.runner.executables.values())  # every shape's, all compiled now
+        self.temporaries = transient_bytes(self.runner.all_executables())  # every shape's, all compiled now
         self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
@@ -119,6 +120,11 @@ class EngineCore:
         self.meter = StepMeter(window) if metered else NullMeter()
         # grammar matchers of constrained samples (jaxserve.structured); the compiler is shared with front ends
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer, model.cfg.vocab_size, eos))
+        # late masks (constrained rows one step ahead, jaxserve.structured.matchers): the split decode executables
+        # compile in the background from the first constrained request; a multi-host run's followers replay
+        # fused steps only, and without async scheduling nothing is ahead
+        self._split_decode: concurrent.futures.Future | None = None
+        self._late_masks_possible = config.async_scheduling and self.runner.mirror is None
         self._in_flight: PendingStep | None = None
         host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
         self._log_ready()
@@ -283,10 +289,44 @@ class EngineCore:
             if request.request_id in self.scheduler.requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self.structured.add(request.request_id, request.params)
+            self.prepare_late_masks()
         if not self.has_unfinished_requests():
             self.meter.work_arrived()  # the device's idle time until now was not the host's doing
         self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
                                    request.arrival_time, request.priority, lora_id=adapter_id)
+
+    def prepare_late_masks(self, wait: bool = False) -> bool:
+        """Starts compiling the split decode executables that let constrained rows run one step ahead (once; the
+        first constrained request calls it), and with `wait`, waits for them and puts them to use. True once
+        they are in use."""
+        if self._late_masks_possible and self._split_decode is None:
+            self._split_decode = self.runner.start_split_decode()
+        if wait and self._split_decode is not None:
+            concurrent.futures.wait([self._split_decode])
+        self._use_late_masks()
+        return self.scheduler.config.late_masks
+
+    def _use_late_masks(self) -> None:
+        """Engine thread: the split executables are compiled: constrained rows run one step ahead from now."""
+        future = self._split_decode
+        if future is None or not future.done() or not self._late_masks_possible:
+            return
+        self._late_masks_possible = False  # decided, either way
+        try:
+            seconds, executables, most = future.result()
+        except Exception:  # noqa: BLE001 - the feature is lost, not the engine
+            log.exception("compiling the split decode executables failed: constrained rows keep waiting for their "
+                          "last token")
+            return
+        if most > self.temporaries:
+            log.warning("the split decode executables need %.1f MiB beyond their arguments where the memory plan "
+                        "left %.1f MiB: not used; constrained rows keep waiting for their last token",
+                        most / 2**20, self.temporaries / 2**20)
+            return
+        self.runner.use_split_decode(executables)
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, late_masks=True)
+        log.info("structured output: split decode executables ready (%d compiled in %.1f s in the background); "
+                 "constrained rows now run one step ahead", len(executables[0]) + len(executables[1]), seconds)
 
     def abort_request(self, request_id: str) -> tuple[SampleDelta, ...]:
         """Ends every unfinished sample of the request with "abort"; their final deltas (none if unknown)."""
@@ -318,6 +358,8 @@ class EngineCore:
         A host-side error fails only the requests it concerns (StepOutputs.failed): one request's slot row, or
         every request of the step it broke. A device error, or one that leaves the device state unusable,
         raises: the engine is dead."""
+        if self._split_decode is not None and self._late_masks_possible:
+            self._use_late_masks()
         self.meter.step_started(self._in_flight)
         one_ahead = self.config.async_scheduling and not self.scheduler.speculating
         earlier = ((), (), None)
@@ -342,6 +384,12 @@ class EngineCore:
         except Exception as exc:
             self._in_flight = None  # its rows are failed with the step's
             return _after(earlier, self._failed_step(exc, failed, previous.plan, plan))
+        if isinstance(self._in_flight, PendingForward):  # its masks needed the tokens just read
+            forward, self._in_flight = self._in_flight, None
+            try:
+                self._in_flight = self._dispatch_sampling(forward)
+            except Exception as exc:  # the rows read back stand; this plan's rows fail
+                return _after(earlier, _after((deltas, finished, record), self._failed_step(exc, failed, plan)))
         records = tuple(r for r in (earlier[2], record) if r is not None)
         return StepOutputs(earlier[0] + self._scheduling_deltas(plan) + deltas, self.stats_snapshot(),
                            earlier[1] + finished, time.monotonic(), records, failed)
@@ -390,7 +438,7 @@ class EngineCore:
             return True
         return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.runner.kv, self.runner.slots)))
 
-    def _dispatch(self, plan: StepPlan) -> PendingStep:
+    def _dispatch(self, plan: StepPlan) -> PendingStep | PendingForward:
         for slot, adapter_id in plan.lora_loads:
             self.runner.load_adapter(slot, lora_weights.slot_values(self.adapters.adapter(adapter_id),
                                                                     self.model_config, self.config.max_lora_rank))
@@ -400,12 +448,22 @@ class EngineCore:
         if not any(row.prompt_logprobs for row in plan.seqs):
             flags &= ~SamplingFlags.PROMPT_LOGPROBS
         self.meter.dispatching(plan)
+        if plan.late_mask:  # the forward half now, the sampling half once the previous step is read (step())
+            return self.runner.dispatch_forward(plan, flags)
         disallowed = (self.structured.disallowed([(r.request_id, r.index, r.sample) for r in plan.seqs],
                                                  self.model_config.vocab_size) if len(self.structured) else None)
         # (the mask only when there is one: dispatch(plan, flags) is what unconstrained steps call)
         pending = (self.runner.dispatch(plan, flags) if disallowed is None
                    else self.runner.dispatch(plan, flags, disallowed))
         self.meter.dispatched(pending, self.config.async_scheduling)
+        return pending
+
+    def _dispatch_sampling(self, forward: PendingForward) -> PendingStep:
+        """The sampling half of a late-mask step, with the masks of its rows' grammars as they are now."""
+        rows = [(r.request_id, r.index, r.sample) for r in forward.plan.seqs]
+        disallowed = self.structured.disallowed(rows, self.model_config.vocab_size) if len(self.structured) else None
+        pending = self.runner.dispatch_sampling(forward, disallowed)
+        self.meter.dispatched(pending, True)
         return pending
 
     def _scheduling_deltas(self, plan: StepPlan) -> tuple[SampleDelta, ...]:

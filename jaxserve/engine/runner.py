@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -121,6 +122,37 @@ def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, conte
     return dataclasses.replace(slots, tokens=tokens), out
 
 
+def forward_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: StepInputs, *, shape: StepShape,
+                 page_size: int, kernels: Kernels, sharder: Sharder | None = None) -> tuple[KVCache, jax.Array]:
+    """The first half of a decode step split for masks that come late (ModelRunner.dispatch_forward): the forward
+    pass alone, returning the [S, vocab] logits (gathered whole) for `sampling_step`."""
+    kv, out = model_step(graphdef, params, kv, token_buffer, inputs, shape=shape, page_size=page_size,
+                         kernels=kernels)
+    return kv, gather_logits(out.logits, sharder)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleInputs:
+    """What the second half of a split decode step reads: StepInputs' per-row sampling fields and the mask."""
+
+    row_slots: jax.Array  # [S] int32
+    context_lens: jax.Array  # [S] int32
+    sample_mask: jax.Array  # [S] bool
+    flags: jax.Array  # [NUM_FLAGS] bool
+    disallowed: jax.Array  # [S, ceil(vocab / 32)] int32
+
+    @classmethod
+    def of(cls, inputs: StepInputs) -> "SampleInputs":
+        return cls(inputs.row_slots, inputs.context_lens, inputs.sample_mask, inputs.flags, inputs.disallowed)
+
+
+def sampling_step(slots: SlotState, logits: jax.Array, inputs: SampleInputs) -> tuple[SlotState, SampleOutput]:
+    """The second half of a split decode step: sample_step on the forward half's logits (slots donated)."""
+    return sample_step(logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask, inputs.flags,
+                       inputs.disallowed)
+
+
 def gather_logits(logits: jax.Array, sharder: Sharder | None) -> jax.Array:
     """[rows, vocab] logits whole on every device for the sampler: computed vocab-parallel as the LM head's
     weight lies, then gathered (one all-gather of the logits under tensor parallelism). Pinning only the
@@ -206,6 +238,18 @@ def verify_step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInp
 
 
 @dataclasses.dataclass
+class PendingForward:
+    """The forward half of a split decode step, dispatched; its sampling half waits for the step's bitmask."""
+
+    plan: StepPlan
+    shape: StepShape
+    logits: jax.Array  # [S, vocab] on the device
+    inputs: StepInputs  # host arrays, the bitmask not filled in yet
+    flags: SamplingFlags
+    dispatched_at: float
+
+
+@dataclasses.dataclass
 class PendingStep:
     """A dispatched step whose outputs are still on the device."""
 
@@ -229,6 +273,18 @@ class ModelRunner:
     the zero-filled [T, 1 + 2 * MAX_TOP_LOGPROBS] outputs the untaken branch returns. Their scratch (one
     [chunk, vocab] block) counts in every prefill executable's temporary memory either way. A decode-only plan
     that asks for prompt logprobs (one-token prompts) runs in a prefill shape; decode shapes have no such branch.
+
+    Each decode shape can also have its two halves, for steps whose structured-output bitmask is known only
+    after they are dispatched (one step ahead, the mask of a constrained row needs the token still in flight):
+
+        forward[decode shape]   (params, kv, token buffer, inputs) -> (kv, logits [S, vocab])
+        sampling[S]             (slots, logits, sample inputs + bitmask) -> (slots, sampled)
+
+    The forward half goes out first; the sampling half once the engine has read the previous step's tokens and
+    advanced the grammars. Steps without a late mask keep the fused executable. The halves are compiled in the
+    background when the first constrained request arrives (start_split_decode): they would almost double the
+    start-up compile of every deployment (the demo model on a 2-core CPU: 32 -> 59 s) for a feature many never
+    use, and until they are ready constrained rows simply wait for their token.
     """
 
     def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, kernels: Kernels,
@@ -246,19 +302,25 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.kernels = kernels
         self.executables: dict[StepShape, Callable] = {}
+        self.forwards: dict[StepShape, Callable] = {}  # decode shape -> its forward half (split_decode)
+        self.samplers: dict[int, Callable] = {}  # S -> the sampling half of the decode shapes with S rows
         self._assign = jax.jit(assign_slot, donate_argnums=0, out_shardings=self.replicated)
         self._no_constraints: dict[int, jax.Array] = {}  # seqs -> resident all-zero token bitmask
         self._write_adapter = None  # compiled on the first adapter load
 
     @property
     def num_executables(self) -> int:
-        return len(self.executables)
+        return len(self.executables) + len(self.forwards) + len(self.samplers)
+
+    def all_executables(self) -> list[Callable]:
+        return [*self.executables.values(), *self.forwards.values(), *self.samplers.values()]
 
     def set_cache(self, kv: KVCache) -> None:
         """Replaces the cache (or the abstract stand-in it was compiled against); the step executables compiled
         for another page count are dropped."""
         if jax.tree.map(lambda x: x.shape, kv) != jax.tree.map(lambda x: x.shape, self.kv):
             self.executables.clear()
+            self.forwards.clear()
         self.kv = kv
 
     # ---- compilation ----------------------------------------------------------------------------------------
@@ -298,6 +360,56 @@ class ModelRunner:
         if verifying:
             args += (self.abstract_drafts(shape),)
         return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(*args)
+
+    def start_split_decode(self) -> concurrent.futures.Future:
+        """Compiles the decode shapes' halves (see the class docstring) in a background thread, so that neither
+        start-up nor the engine thread waits for them; the future's result: (seconds, the most memory one pair
+        needs beyond its persistent arguments). They take effect once the engine sees the future done
+        (`use_split_decode`). Called on the engine thread, which owns the cache and slots: their shapes and
+        shardings are captured here, since the arrays themselves are donated to every step."""
+        kv, slots = _abstract(self.kv), _abstract(self.slots)
+        shapes = [shape for shape in self.buckets.shapes() if shape.kind == "decode"]
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def compile_in_background():  # a daemon thread: a process that ends does not wait for it
+            try:
+                future.set_result(self._compile_split_decode(shapes, kv, slots))
+            except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
+                future.set_exception(exc)
+
+        threading.Thread(target=compile_in_background, name="jaxserve-split-decode", daemon=True).start()
+        return future
+
+    def _compile_split_decode(self, shapes: list[StepShape], kv: KVCache, slots: SlotState):
+        started = time.perf_counter()
+        forwards, samplers = {}, {}
+        with jax.set_mesh(self.sharder.mesh):
+            for shape in shapes:
+                forwards[shape] = self._lower_forward(shape, kv, slots.tokens).compile(self.compiler_options)
+            for seqs in sorted({shape.seqs for shape in shapes}):
+                samplers[seqs] = self._lower_sampling(seqs, slots).compile(self.compiler_options)
+        most = max([transient_bytes([f]) for f in forwards.values()]
+                   + [transient_bytes([f]) + seqs * self.cfg.vocab_size * 4 for seqs, f in samplers.items()])
+        return time.perf_counter() - started, (forwards, samplers), most
+
+    def use_split_decode(self, executables) -> None:
+        """Engine thread: installs what start_split_decode compiled."""
+        self.forwards, self.samplers = executables
+
+    def _lower_forward(self, shape: StepShape, kv: KVCache, tokens: jax.ShapeDtypeStruct):
+        fn = functools.partial(forward_step, self.graphdef, shape=shape, page_size=self.page_size,
+                               kernels=self.kernels, sharder=self.sharder)
+        kv_shardings = jax.tree.map(lambda x: x.sharding, kv)
+        inputs = dataclasses.replace(self.abstract_inputs(shape), disallowed=None)  # the sampling half's
+        return jax.jit(fn, donate_argnums=1, out_shardings=(kv_shardings, self.replicated)).lower(
+            self.params, kv, tokens, inputs)
+
+    def _lower_sampling(self, seqs: int, slots: SlotState):
+        shape = StepShape("decode", seqs, seqs, 1)
+        inputs = SampleInputs.of(self.abstract_inputs(shape))
+        logits = jax.ShapeDtypeStruct((seqs, self.cfg.vocab_size), jnp.float32, sharding=self.replicated)
+        return jax.jit(sampling_step, donate_argnums=0, out_shardings=(self.replicated, self.replicated)).lower(
+            slots, logits, inputs)
 
     def abstract_drafts(self, shape: StepShape) -> DraftInputs:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32, sharding=self.replicated)
@@ -349,6 +461,29 @@ class ModelRunner:
                                       drafts)
         return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
 
+    def dispatch_forward(self, plan: StepPlan, flags: SamplingFlags) -> PendingForward:
+        """The forward half of a decode plan's split step (see the class docstring); `dispatch_sampling` sends the
+        rest once the bitmask is known."""
+        shape = self.shape_for(plan, flags.prompt_logprobs)
+        forward = self.forwards.get(shape)
+        if forward is None:
+            raise BucketError(f"{shape} has no split executables (a late mask needs a decode shape and "
+                              f"split_decode)")
+        inputs = build_inputs(plan, shape, flags)
+        self.kv, logits = forward(self.params, self.kv, self.slots.tokens, inputs)
+        return PendingForward(plan, shape, logits, inputs, flags, time.perf_counter())
+
+    def dispatch_sampling(self, forward: PendingForward, disallowed: np.ndarray | None) -> PendingStep:
+        """The sampling half of a split step, with the plan's rows' bitmask (None: no row is constrained now)."""
+        inputs = SampleInputs.of(forward.inputs)
+        if disallowed is None:
+            inputs.disallowed = self._no_constraint_mask(forward.shape.seqs)
+        else:
+            inputs.disallowed = np.pad(disallowed, ((0, forward.shape.seqs - disallowed.shape[0]), (0, 0)))
+            inputs.flags = (forward.flags | SamplingFlags.STRUCTURED).as_array()
+        self.slots, sampled = self.samplers[forward.shape.seqs](self.slots, forward.logits, inputs)
+        return PendingStep(forward.plan, forward.shape, sampled, None, forward.flags, forward.dispatched_at)
+
     def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool, drafts: DraftInputs | None = None
             ) -> tuple[SampleOutput | VerifyOutput, PromptLogprobs | None]:
         """The step's executable on padded inputs (a multi-host follower calls this with the leader's). Prompt
@@ -372,6 +507,10 @@ class ModelRunner:
             mask = self._no_constraints[seqs] = jax.device_put(np.zeros((seqs, self.mask_words), np.int32),
                                                                self.replicated)
         return mask
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags,

@@ -26,6 +26,11 @@ back on the host gets up to K proposed tokens and runs K + 1 query tokens (its l
 
 While speculation is on for a step (at most speculative_disable_batch_size running sequences), decoding
 sequences wait for their pending tokens rather than run one step ahead: a proposal needs the newest token.
+
+Structured output: a constrained sequence's next mask needs its newest token. With `late_masks` (the engine has
+split decode executables) it still runs one step ahead in a step with no prompt work, and the plan says
+`late_mask`: the engine sends the forward pass first and the masked sampling once the token is read. In any other
+step it waits for its pending token.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class SchedulerConfig:
     page_size: int
     num_speculative_tokens: int = 0  # K: proposals per speculating sequence and step (0: no speculation)
     speculative_disable_batch_size: int | None = None  # no speculation with more running sequences
+    # a constrained sequence may decode while its last token is in flight, its mask sent after the forward pass
+    # (the engine's split decode executables); only in steps with no prompt work, whose shape is a decode shape
+    late_masks: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -102,6 +110,7 @@ class StepPlan:
     num_tokens: int
     waiting_for_pages: bool = False  # a sequence was preempted, or a waiting one not admitted, for lack of pages
     lora_loads: tuple[tuple[int, int], ...] = ()  # (slot, adapter id): adapters to write before this step runs
+    late_mask: bool = False  # a constrained row's last token is in flight: its mask is made after it is read
 
     @property
     def is_decode(self) -> bool:
@@ -291,12 +300,12 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: dict[int, ScheduledSequence] = {}
         new_slots: list[SlotAssignment] = []
-        preempted = self._schedule_running(budget, scheduled, self.speculating)
+        preempted, late_mask = self._schedule_running(budget, scheduled, self.speculating)
         out_of_pages = preempted or self._schedule_waiting(budget, scheduled, new_slots)
         plan_seqs = tuple(scheduled.values())
         loads = self.adapter_slots.take_loads() if self.adapter_slots is not None else ()
         return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs),
-                        out_of_pages, loads)
+                        out_of_pages, loads, late_mask)
 
     @property
     def speculating(self) -> bool:
@@ -306,17 +315,23 @@ class Scheduler:
         return self.proposer is not None and (limit is None or len(self.running) <= limit)
 
     def _schedule_running(self, budget: "_Budget", scheduled: dict[int, ScheduledSequence],
-                          speculating: bool = False) -> bool:
+                          speculating: bool = False) -> tuple[bool, bool]:
+        """Decodes, then running prompts' chunks. Returns (a sequence was preempted, a constrained sequence
+        decodes with its last token in flight: the plan's masks come late)."""
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        preempted = False
+        # a late mask needs a pure decode step: no prompt chunk, nobody admitted (nor asking to be)
+        late_ok = (self.config.late_masks and not speculating and not chunks
+                   and (self.num_waiting == 0 or len(self.running) >= self.config.max_num_seqs))
+        preempted = late_mask = False
         for seq in decodes + chunks:
             if seq.status is not SequenceStatus.RUNNING or not budget.has_room():
                 continue
             if seq.num_tokens >= seq.max_len:
                 continue  # its pending token is its last one
             if seq.num_pending_tokens and seq.params.structured_outputs is not None:
-                continue  # its grammar needs that token before the next mask (jaxserve.structured.matchers)
+                if not late_ok:
+                    continue  # its grammar needs that token before the next mask (jaxserve.structured.matchers)
             if seq.num_speculated or (speculating and seq.num_pending_tokens):
                 continue  # how many tokens its verify step accepts, or the token a proposal needs, is not back
             drafts = self._propose(seq, budget) if speculating and seq.num_uncomputed_tokens == 1 else ()
@@ -328,8 +343,9 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
+                late_mask |= bool(seq.num_pending_tokens and seq.params.structured_outputs is not None)
                 scheduled[seq.seq_id] = self._advance(seq, num_new, budget, drafts)
-        return preempted
+        return preempted, late_mask
 
     def _propose(self, seq: Sequence, budget: "_Budget") -> tuple[int, ...]:
         """Proposals for a decoding sequence: at most K, at most what the budget leaves beside its own token, and

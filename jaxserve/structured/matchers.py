@@ -6,9 +6,12 @@
     accept(id, i, token)  advances sample i's matcher with the token the step sampled
     drop(id[, i])         forgets finished samples
 
-Pipelining: the mask for a sequence's next token needs the token before it, so the scheduler does not plan a
-constrained sequence while its last token is still on the device (it runs every other step beside unconstrained
-rows, which keep the one-step-ahead overlap); the engine computes its mask right when it plans it.
+Pipelining: the mask for a sequence's next token needs the token before it. In a pure decode step a constrained
+sequence still runs one step ahead: the engine dispatches the step's forward pass, reads the previous step's
+tokens, advances the matchers, and only then makes the masks and dispatches the sampling half (the split decode
+executables, jaxserve.engine.runner), so the device computes step N + 1's forward pass while the host reads step
+N. A step with prompt work (prefill shapes have no split form) does not plan a constrained sequence whose last
+token is still on the device; its mask is made when it is planned.
 
 Preemption needs no rollback: a preempted sequence keeps its tokens and is recomputed from them, and its
 matcher has seen exactly those tokens.
