@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """LoRA serving cost: output tok/s of the base model alone, of the same model serving N random adapters mixed in
 every batch (--enable-lora), and of one adapter merged into the weights (--merge-lora), in one process, rounds
-interleaved (base, lora, merged, base, ...) so that the ratios are same-run ratios.
+interleaved (base, lora, merged; then lora, merged, base; ...) so that the ratios are same-run ratios.
 
 Workload (issue 16): `small` random Llama of ../shared/peers, 4 random rank-16 PEFT adapters on all seven
 projections, 64 requests of 128 random prompt tokens + 128 generated tokens (greedy, EOS ignored), request i
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of base, lora, merged")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of base, lora, merged (order rotating)")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
     ap.add_argument("--out", help="append the result as one JSON line to this file")
     args = ap.parse_args(argv)
@@ -107,11 +107,14 @@ def main(argv=None) -> int:
     prompts = [rng.integers(3, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for name, (engine, adapters) in engines.items():
+    for name, (engine, adapters) in engines.items():  # every executable the timed runs use runs once before
         run_once(engine, prompts, warm, adapters, f"warm-{name}")
+        run_once(engine, prompts, params, adapters, f"warm-full-{name}")
     rates: dict[str, list[float]] = {name: [] for name in engines}
+    names = list(engines)
     for r in range(args.rounds):
-        for name, (engine, adapters) in engines.items():
+        for name in names[r % 3:] + names[:r % 3]:  # the order rotates: no engine always runs first or last
+            engine, adapters = engines[name]
             rates[name].append(run_once(engine, prompts, params, adapters, f"r{r}-{name}"))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()) + " out tok/s", flush=True)
     ratios = {name: [v / b for v, b in zip(rates[name], rates["base"])] for name in ("lora", "merged")}
