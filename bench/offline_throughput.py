@@ -14,7 +14,10 @@ weight_matmul_floor), the ratio between the two, and the share of wall time the 
 
 For a MoE preset the floor's MLP is the router plus, for each expert the batch's tokens are routed to, one dense
 gated MLP over exactly those tokens (routing of the floor's batch, fixed before compiling; bench/moe_grouped.py
-floor_fn): the matmuls of the experts actually hit, not every expert and no grouping overhead.
+floor_fn): the matmuls of the experts actually hit, not every expert and no grouping overhead. On XLA:CPU those
+small exact-size matmuls run slower than the engine's grouped kernel, so that timed floor is no floor there;
+`hardware_floor` is: the weight bytes the step must read (the experts hit) over the read bandwidth measured in the
+same run, or its FLOPs over the measured matmul rate, whichever binds (`decode_vs_hardware_floor`, every preset).
 """
 
 from __future__ import annotations
@@ -156,6 +159,62 @@ def weight_matmul_floor(engine: LLMEngine, batch: int, repeats: int = 20, unstac
     return statistics.median(times)
 
 
+_CEILINGS: dict[str, float] = {}
+
+
+def machine_ceilings(dtype) -> tuple[float, float]:
+    """(bytes/s one device reads, matmul FLOP/s in `dtype`), measured now, best of 5 (cached per process): a sum
+    over a 256 MiB array, and a [1024, 2048] x [2048, 2048] matmul."""
+    key = str(jnp.dtype(dtype))
+    if key not in _CEILINGS:
+        big = jnp.ones((2**26,), jnp.float32)
+        a = jnp.ones((1024, 2048), dtype)
+        b = jnp.ones((2048, 2048), dtype)
+        read = jax.jit(lambda v: v.sum())
+        mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+        _CEILINGS["read"] = big.nbytes / _best(read, big)
+        _CEILINGS[key] = 2 * 1024 * 2048 * 2048 / _best(mm, a, b)
+    return _CEILINGS["read"], _CEILINGS[key]
+
+
+def _best(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def hardware_floor(engine: LLMEngine, batch: int) -> dict:
+    """A decode step's lower bound from this machine's measured ceilings: the weight bytes it must read over the
+    read bandwidth, and its weight-matmul FLOPs over the matmul rate; the larger binds. For a MoE model the bytes
+    are the experts this batch is routed to (routing of a random batch, as weight_matmul_floor's) and the FLOPs
+    the top-k experts' per token: all experts' weights sit in memory, only those hit are read."""
+    cfg = engine.model_config
+    params = nnx.to_pure_dict(engine.core.runner.params)
+    layers = params["layers"]
+    expert_leaves = {name for name in layers if name.startswith("we_")}
+    dense_bytes = sum(leaf.nbytes for name, leaf in layers.items() if name not in expert_leaves)
+    dense_elems = sum(leaf.size for name, leaf in layers.items() if name not in expert_leaves and leaf.ndim > 2)
+    head = params.get("lm_head", params["embed"])
+    weight_bytes, flops = dense_bytes + head.nbytes, 2 * batch * (dense_elems + head.size)
+    if expert_leaves:
+        per_expert = sum(layers[name].nbytes for name in expert_leaves) // (cfg.num_layers * cfg.num_experts)
+        per_expert_elems = sum(layers[name].size for name in expert_leaves) // (cfg.num_layers * cfg.num_experts)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, cfg.hidden_size)), jnp.float32)
+        hit = [len(np.unique(np.asarray(moe.route(x, layers["router"][i], cfg.num_experts_per_tok,
+                                                  cfg.norm_topk_prob)[0]))) for i in range(cfg.num_layers)]
+        weight_bytes += sum(hit) * per_expert
+        flops += 2 * batch * cfg.num_layers * cfg.num_experts_per_tok * per_expert_elems
+    read_rate, flop_rate = machine_ceilings(head.dtype)
+    bytes_s, flops_s = weight_bytes / read_rate, flops / flop_rate
+    return dict(floor_weight_bytes=int(weight_bytes), floor_flops=int(flops), read_gb_s=round(read_rate / 1e9, 2),
+                matmul_gflop_s=round(flop_rate / 1e9, 1), hardware_floor_ms=round(max(bytes_s, flops_s) * 1e3, 3),
+                floor_bound="bytes" if bytes_s >= flops_s else "flops")
+
+
 def run_batch(engine: LLMEngine, n: int, args) -> dict:
     rng = np.random.default_rng(n)
     vocab = engine.model_config.vocab_size
@@ -169,6 +228,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     step_time = statistics.mean(decode) if decode else float("nan")
     floor = weight_matmul_floor(engine, n)
     floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None
+    hardware = hardware_floor(engine, n)
     out_tokens = n * args.output_len
     return dict(engine="jaxserve", model=args.model or args.preset,
                 dtype=str(engine.core.runner.params["embed"][...].dtype),
@@ -179,6 +239,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 decode_vs_floor=round(step_time / floor, 3),
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
                 decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
+                **hardware, decode_vs_hardware_floor=round(step_time * 1e3 / hardware["hardware_floor_ms"], 3),
                 device_s=round(device_seconds, 3),
                 host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
                 attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
