@@ -79,7 +79,8 @@ TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=
                    num_kv_heads=2, head_dim=16, max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=pytest.mark.slow),  # ~45 s each on a
+                                          pytest.param("int4", marks=pytest.mark.slow)])  # 2-core CPU: make test-slow
 def test_engine_generates_what_xla_does(quantization):
     """Greedy, one sequence (decode steps take the kernel) and four at once (they do not), same tokens."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
