@@ -66,14 +66,15 @@ def floor_fn(experts: np.ndarray, num_experts: int):
     return run
 
 
-def timed(fn, *args, repeats: int) -> float:
+def timed(fn, *args, repeats: int, summary=statistics.median) -> float:
+    """Seconds per call after one warm-up call: `summary` (median, or min for a best case) of `repeats` calls."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return summary(times)
 
 
 def paths(shape: dict, experts: np.ndarray) -> dict:

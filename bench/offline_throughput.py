@@ -44,7 +44,7 @@ from jaxserve.models import moe
 from jaxserve.models.linear import dense
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
-from moe_grouped import floor_fn  # bench/: the MoE floor (each expert hit over exactly its tokens)
+from moe_grouped import floor_fn, timed  # bench/: the MoE floor (each expert hit over exactly its tokens)
 
 PRESETS = {
     # the peers' random Llamas (../shared/peers/make_models.py)
@@ -172,19 +172,9 @@ def machine_ceilings(dtype) -> tuple[float, float]:
         b = jnp.ones((2048, 2048), dtype)
         read = jax.jit(lambda v: v.sum())
         mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-        _CEILINGS["read"] = big.nbytes / _best(read, big)
-        _CEILINGS[key] = 2 * 1024 * 2048 * 2048 / _best(mm, a, b)
+        _CEILINGS["read"] = big.nbytes / timed(read, big, repeats=5, summary=min)
+        _CEILINGS[key] = 2 * 1024 * 2048 * 2048 / timed(mm, a, b, repeats=5, summary=min)
     return _CEILINGS["read"], _CEILINGS[key]
-
-
-def _best(fn, *args, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def hardware_floor(engine: LLMEngine, batch: int) -> dict:
