@@ -71,7 +71,9 @@ def test_resolution():
     with pytest.raises(ValueError, match="auto, pallas, cpu or xla"):
         resolve_matmul("onednn")
     kernels = Kernels.resolve("xla", "cpu")
-    assert kernels.reads_stacked(1) and not kernels.reads_stacked(kernels.stacked_rows + 1)
+    assert kernels.reads_stacked(1) and not kernels.reads_stacked(2)  # float32 weights: one row
+    assert kernels.reads_stacked(4, "int8") and kernels.reads_stacked(4, "bfloat16")
+    assert not kernels.reads_stacked(5, "int8")
     assert not Kernels.resolve("xla", "xla").reads_stacked(1)
 
 
@@ -82,7 +84,7 @@ TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=pytest.mark.slow),  # ~45 s each on a
                                           pytest.param("int4", marks=pytest.mark.slow)])  # 2-core CPU: make test-slow
 def test_engine_generates_what_xla_does(quantization):
-    """Greedy, one sequence (decode steps take the kernel) and four at once (they do not), same tokens."""
+    """Greedy, one sequence and four at once (decode steps within the kernel's row limit take it), same tokens."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
     prompts = [[5, 9, 13, 40, 2], [7, 7, 8], [100, 101, 102, 103], [3]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -99,13 +101,16 @@ def test_engine_generates_what_xla_does(quantization):
     assert outputs["cpu"] == outputs["xla"]
 
 
-def test_decode_step_reads_weights_in_place():
-    """At batch 1 every projection and the LM head go through the kernel: no weight slice is copied out."""
-    engine = LLMEngine(random_model(TINY, jnp.float32), EngineConfig(max_num_seqs=2, max_num_batched_tokens=32,
-                                                                      max_model_len=64, matmul="cpu"),
+@pytest.mark.parametrize("quantization,rows,calls", [(None, 1, 8), ("int8", 4, 7)])
+def test_decode_step_reads_weights_in_place(quantization, rows, calls):
+    """Up to the weight type's row limit (float32 1, int8 4) every projection goes through the kernel, and the
+    LM head when its weights qualify too (float32 at one row): no weight slice is copied out; past it, XLA."""
+    cfg = dataclasses.replace(TINY, quantization=quantization)
+    engine = LLMEngine(random_model(cfg, jnp.float32), EngineConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                                                     max_model_len=64, matmul="cpu"),
                        show_progress=False)
     runner = engine.core.runner
     texts = {shape.seqs: runner._lower_step(shape).as_text() for shape in runner.buckets.shapes()
              if shape.kind == "decode"}
-    assert texts[1].count(cpu.MATMUL_TARGET) == 8  # q k v o gate up down in the layer scan body, and the LM head
-    assert cpu.MATMUL_TARGET not in texts[2]
+    assert texts[rows].count(cpu.MATMUL_TARGET) == calls  # q k v o gate up down in the scan body (+ LM head)
+    assert cpu.MATMUL_TARGET not in texts[rows * 2]

@@ -11,10 +11,15 @@
 //   layer   int32 [1]       the slice of w to use
 //   out     [M, N]          float32
 //
-// Work is split over blocks of output columns; each block keeps its [M, block] float32 sums in L1 and walks K in
-// steps of four rows, so every weight is loaded once and every sum is written once per four weight rows.
+// Work is split over blocks of output columns. One row (M = 1): each block keeps its [block] float32 sums in L1
+// and walks K in steps of four rows, so every weight is loaded once and every sum is written once per four weight
+// rows. Several rows: each block converts 16 weight rows at a time into a float32 buffer in L1 (read from memory
+// once, whatever the weight type), then multiplies it into register tiles of up to 4 rows x 16 columns (explicit
+// 8-lane vectors) whose sums stay in registers over those 16 weight rows: each weight load feeds up to 4 rows'
+// multiply-adds, where the one-row loop would load (and convert) it again for every row.
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -68,9 +73,90 @@ void ColumnBlock(const Shape& s, const float* __restrict x, const WT* __restrict
   }
 }
 
+constexpr int64_t kChunk = 16;  // weight rows per float32 buffer: [16, 256] = 16 KB
+constexpr int64_t kTile = 16;   // output columns per register tile: two 8-lane vectors
+
+typedef float v8f __attribute__((vector_size(32)));
+inline v8f Load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// acc[r, j0:j0+16] += sum over i < kr of x[r, i] * buf[i, j0:j0+16], for R rows (x and acc at their first row)
+template <int R>
+inline void Tile(const float* __restrict x, int64_t x_stride, int64_t kr, const float* __restrict buf,
+                 float* __restrict acc, int64_t j0) {
+  v8f lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    lo[r] = Load8(acc + r * kBlock + j0);
+    hi[r] = Load8(acc + r * kBlock + j0 + 8);
+  }
+  for (int64_t i = 0; i < kr; ++i) {
+    const v8f w0 = Load8(buf + i * kBlock + j0), w1 = Load8(buf + i * kBlock + j0 + 8);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * x_stride + i];
+      lo[r] += xv * w0;
+      hi[r] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Store8(acc + r * kBlock + j0, lo[r]);
+    Store8(acc + r * kBlock + j0 + 8, hi[r]);
+  }
+}
+
+template <int R>
+inline void Tiles(const Shape& s, const float* x, int64_t m0, int64_t k0, int64_t kr, const float* buf, float* acc,
+                  int64_t tiles) {
+  for (int64_t t = 0; t < tiles; ++t) Tile<R>(x + m0 * s.k + k0, s.k, kr, buf, acc + m0 * kBlock, t * kTile);
+}
+
+template <typename WT>
+void ColumnBlockRows(const Shape& s, const float* __restrict x, const WT* __restrict w, const float* scales,
+                     float* __restrict out, int64_t n0) {
+  const int64_t nb = std::min(kBlock, s.n - n0);
+  const int64_t tiles = (nb + kTile - 1) / kTile;
+  alignas(64) float acc[32 * kBlock];
+  alignas(64) float buf[kChunk * kBlock];
+  std::fill(acc, acc + s.m * kBlock, 0.0f);
+  if (nb < kBlock) std::fill(buf, buf + kChunk * kBlock, 0.0f);  // columns past n stay zero
+  for (int64_t k0 = 0; k0 < s.k; k0 += kChunk) {
+    const int64_t kr = std::min(kChunk, s.k - k0);
+    for (int64_t i = 0; i < kr; ++i) {
+      const WT* __restrict r = w + (k0 + i) * s.n + n0;
+      float* __restrict b = buf + i * kBlock;
+      for (int64_t j = 0; j < nb; ++j) b[j] = ToFloat(r[j]);
+    }
+    int64_t m0 = 0;
+    for (; m0 + 4 <= s.m; m0 += 4) Tiles<4>(s, x, m0, k0, kr, buf, acc, tiles);
+    switch (s.m - m0) {
+      case 3: Tiles<3>(s, x, m0, k0, kr, buf, acc, tiles); break;
+      case 2: Tiles<2>(s, x, m0, k0, kr, buf, acc, tiles); break;
+      case 1: Tiles<1>(s, x, m0, k0, kr, buf, acc, tiles); break;
+      default: break;
+    }
+  }
+  for (int64_t m = 0; m < s.m; ++m) {
+    float* o = out + m * s.n + n0;
+    const float* a = acc + m * kBlock;
+    if (scales != nullptr) {
+      for (int64_t j = 0; j < nb; ++j) o[j] = a[j] * scales[n0 + j];
+    } else {
+      std::copy(a, a + nb, o);
+    }
+  }
+}
+
 template <typename WT>
 void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
-  ParallelFor(pool, (s.n + kBlock - 1) / kBlock, [&](int64_t block) { ColumnBlock(s, x, w, scales, out, block * kBlock); });
+  const int64_t blocks = (s.n + kBlock - 1) / kBlock;
+  if (s.m == 1) {
+    ParallelFor(pool, blocks, [&](int64_t block) { ColumnBlock(s, x, w, scales, out, block * kBlock); });
+  } else {
+    ParallelFor(pool, blocks, [&](int64_t block) { ColumnBlockRows(s, x, w, scales, out, block * kBlock); });
+  }
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,

@@ -28,7 +28,7 @@ Contracts (the model calls these inside shard_map, on the KV heads one device ho
         sequence. sliding_window: None, an int, or a traced int32 (0: none); softcap: None or a float
     matmul(x [M, K], values, scales[, zeros], *, scheme) -> [M, N] float32   (quantized weight as its matrix view;
         scheme: a jaxserve.quant.schemes name; act-order is applied to x before)
-    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32     (M <= stacked_rows)
+    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32     (M: stacked_rows)
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve import cpu
 from jaxserve.kv.cache import AttentionMetadata, KVCache
@@ -47,8 +48,11 @@ from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_pag
 
 ATTENTION_CHOICES = ("pallas", "cpu", "xla")
 MATMUL_CHOICES = ("pallas", "cpu", "xla")
-CPU_MATMUL_ROWS = 1  # rows up to which the CPU kernel beats XLA's dot (bench/cpu_matmul.py: 1.5-2.1x at one row,
-# 0.8-1.1x at 2-4 under load); its M > 1 loop reloads each weight row from L1 once per row of x
+# rows up to which the CPU kernel beats XLA's dot, by stored weight type (quiet, 2-vCPU VM; bench/cpu_matmul.py for
+# the projections alone, then the small preset's decode step in one process, kernel vs XLA): float32 1.45x at one
+# row but only 1.23 / 1.00x at 2 / 4 rows alone and 0.96x for the whole step at batch 2 and 4, so one row; int8
+# 2.44 / 1.82 / 1.68x alone, decode step 1.85 / 1.36 / 1.23x at batch 1 / 2 / 4; bfloat16 2.48 / 1.94 / 1.46x alone
+CPU_MATMUL_ROWS = (("float32", 1), ("bfloat16", 4), ("int8", 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +64,8 @@ class Kernels:
     matmul: Callable = dataclasses.field(repr=False)  # quantized weights only
     matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
     stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
-    stacked_rows: int = 0  # products of at most this many rows go to stacked_matmul
+    # (weight dtype, rows): products of at most that many rows with such weights go to stacked_matmul
+    stacked_rows: tuple[tuple[str, int], ...] = ()
     grouped_matmul: Callable = dataclasses.field(default=moe.grouped_matmul, repr=False)  # MoE experts
 
     @classmethod
@@ -73,11 +78,13 @@ class Kernels:
         stacked = matmul_name == "cpu"
         return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
                    matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmul if stacked else None,
-                   stacked_rows=CPU_MATMUL_ROWS if stacked else 0)
+                   stacked_rows=CPU_MATMUL_ROWS if stacked else ())
 
-    def reads_stacked(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs on stacked_matmul (then the layer scan leaves weights stacked)."""
-        return self.stacked_matmul is not None and rows <= self.stacked_rows
+    def reads_stacked(self, rows: int, weight_dtype="float32") -> bool:
+        """Whether a product of `rows` rows with weights stored as `weight_dtype` runs on stacked_matmul (then the
+        layer scan leaves those weights stacked)."""
+        limit = dict(self.stacked_rows).get(jnp.dtype(weight_dtype).name, 0)
+        return self.stacked_matmul is not None and rows <= limit
 
     def describe(self) -> str:
         return f"{self.attention_name} attention, {self.matmul_name} matmul"

@@ -99,6 +99,11 @@ def read_in_place(weight) -> bool:
                                                        and weight.perm is None)
 
 
+def stored_dtype(weight):
+    """The dtype a weight is stored in (a quantized weight's values: int8 for int8 and int4 alike)."""
+    return (weight.values if isinstance(weight, QuantizedWeight) else weight)[...].dtype
+
+
 def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None) -> jax.Array:
     """x [..., K dims] @ weight[layer] [K dims, N dims] -> float32 by kernels.stacked_matmul on the weight's
     [layers, K, N] view; `layer=None`: the weight is not stacked (one layer)."""

@@ -33,7 +33,7 @@ from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import layers, moe, rope
 from jaxserve.models.attention import attend_paged, reference_attention
 from jaxserve.models.kernels import XLA, Kernels
-from jaxserve.models.linear import QuantizedWeight, read_in_place, stacked_dense
+from jaxserve.models.linear import QuantizedWeight, read_in_place, stacked_dense, stored_dtype
 from jaxserve.models.linear import dense as _dense
 from jaxserve.quant import schemes
 from jaxserve.quant.kv import dequantize_kv, quantize_kv
@@ -266,10 +266,11 @@ class Llama(nnx.Module):
 
     def _read_in_place(self, kernels: Kernels, rows: int) -> tuple[str, ...]:
         """The projections whose stacked weights kernels.stacked_matmul reads in place for products of `rows`."""
-        if not kernels.reads_stacked(rows):
+        if kernels.stacked_matmul is None:
             return ()
-        return tuple(name for name in DecoderLayers.PROJECTIONS
-                     if hasattr(self.layers, name) and read_in_place(getattr(self.layers, name)))  # MoE: no MLP ones
+        return tuple(name for name in DecoderLayers.PROJECTIONS  # MoE: no MLP ones
+                     if hasattr(self.layers, name) and read_in_place(weight := getattr(self.layers, name))
+                     and kernels.reads_stacked(rows, stored_dtype(weight)))
 
     def _scan_layers(self, body, carry, keep_stacked: tuple[str, ...] = ()):
         """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan. The weights
@@ -295,7 +296,8 @@ class Llama(nnx.Module):
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_word_embeddings:
             logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        elif kernels.reads_stacked(math.prod(h.shape[:-1])) and read_in_place(self.lm_head):
+        elif read_in_place(self.lm_head) and kernels.reads_stacked(math.prod(h.shape[:-1]),
+                                                                    stored_dtype(self.lm_head)):
             logits = stacked_dense(h, self.lm_head, "...e,ev->...v", kernels)  # [hidden, vocab]: one "layer"
         else:
             logits = _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
