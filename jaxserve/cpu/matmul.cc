@@ -34,6 +34,19 @@ struct Shape {
   int64_t m, k, n;
 };
 
+// out[:, n0:n0+nb] = acc [M, kBlock] (times the int8 weights' per-channel scales)
+inline void WriteBlock(const Shape& s, const float* acc, const float* scales, float* out, int64_t n0, int64_t nb) {
+  for (int64_t m = 0; m < s.m; ++m) {
+    float* o = out + m * s.n + n0;
+    const float* a = acc + m * kBlock;
+    if (scales != nullptr) {
+      for (int64_t j = 0; j < nb; ++j) o[j] = a[j] * scales[n0 + j];
+    } else {
+      std::copy(a, a + nb, o);
+    }
+  }
+}
+
 template <typename WT>
 void ColumnBlock(const Shape& s, const float* __restrict x, const WT* __restrict w, const float* scales,
                  float* __restrict out, int64_t n0) {
@@ -62,15 +75,7 @@ void ColumnBlock(const Shape& s, const float* __restrict x, const WT* __restrict
       for (int64_t j = 0; j < nb; ++j) a[j] += xv * ToFloat(r[j]);
     }
   }
-  for (int64_t m = 0; m < s.m; ++m) {
-    float* o = out + m * s.n + n0;
-    const float* a = acc + m * kBlock;
-    if (scales != nullptr) {
-      for (int64_t j = 0; j < nb; ++j) o[j] = a[j] * scales[n0 + j];
-    } else {
-      std::copy(a, a + nb, o);
-    }
-  }
+  WriteBlock(s, acc, scales, out, n0, nb);
 }
 
 constexpr int64_t kChunk = 16;  // weight rows per float32 buffer: [16, 256] = 16 KB
@@ -138,15 +143,7 @@ void ColumnBlockRows(const Shape& s, const float* __restrict x, const WT* __rest
       default: break;
     }
   }
-  for (int64_t m = 0; m < s.m; ++m) {
-    float* o = out + m * s.n + n0;
-    const float* a = acc + m * kBlock;
-    if (scales != nullptr) {
-      for (int64_t j = 0; j < nb; ++j) o[j] = a[j] * scales[n0 + j];
-    } else {
-      std::copy(a, a + nb, o);
-    }
-  }
+  WriteBlock(s, acc, scales, out, n0, nb);
 }
 
 template <typename WT>
