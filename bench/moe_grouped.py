@@ -122,11 +122,16 @@ def main(argv=None) -> int:
                           ms=round(statistics.median(values) * 1e3, 3),
                           vs_floor=round(statistics.median(values) / floor, 2),
                           device=jax.devices()[0].device_kind, dtype=args.dtype)
-            print(json.dumps(record), flush=True)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(json.dumps(record) + "\n")
+            emit(record, args.out)
     return 0
+
+
+def emit(record: dict, out: str | None) -> None:
+    """Prints a result as one JSON line, and appends it to `out` when given."""
+    print(json.dumps(record), flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from jaxserve.models import moe
 from jaxserve.models.linear import dense
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
-from moe_grouped import floor_fn, timed  # bench/: the MoE floor (each expert hit over exactly its tokens)
+from moe_grouped import emit, floor_fn, timed  # bench/: the MoE floor (each expert hit over exactly its tokens)
 
 PRESETS = {
     # the peers' random Llamas (../shared/peers/make_models.py)
@@ -291,10 +291,7 @@ def main(argv=None) -> int:
             record = run_batch_replicas(engine, n, args)
         else:
             record = {**run_batch(engine, n, args), "tensor_parallel_size": engine.core.config.tensor_parallel_size}
-        print(json.dumps(record), flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        emit(record, args.out)
     return 0
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jaxserve.engine.engine import LLMEngine
 from jaxserve.observability.bottleneck import VERDICTS
-from test_server_harness import SMALL_ENGINE, running_engine, serve_in_thread, server_state
+from test_server_harness import SMALL_ENGINE, live_server
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -30,10 +29,8 @@ CHARTS = ("throughput", "ttft", "tpot", "kv", "queue", "fractions")
 
 @pytest.fixture(scope="module")
 def live(converted):
-    model_dir = converted("llama3.1")
-    engine = LLMEngine.from_model_dir(model_dir, SMALL_ENGINE, show_progress=False)
-    with running_engine(engine) as async_engine, serve_in_thread(server_state(async_engine, model_dir)) as server:
-        yield server
+    with live_server(converted("llama3.1"), SMALL_ENGINE) as live:
+        yield live
 
 
 @contextlib.contextmanager

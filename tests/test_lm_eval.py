@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jaxserve.engine.engine import LLMEngine
-from test_server_harness import TINY_ENGINE, running_engine, serve_in_thread, server_state
+from test_server_harness import TINY_ENGINE, live_server
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[test]' brings it)")
 
@@ -45,9 +44,7 @@ def write_tasks(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(converted):
-    model_dir = converted("llama3.1")
-    engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE, show_progress=False)
-    with running_engine(engine) as async_engine, serve_in_thread(server_state(async_engine, model_dir)) as live:
+    with live_server(converted("llama3.1"), TINY_ENGINE) as live:
         yield live
 
 

@@ -11,9 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.engine.engine import LLMEngine
 from jaxserve.observability.bottleneck import VERDICTS
-from test_server_harness import TINY_ENGINE, running_engine, serve_in_thread, server_state
+from test_server_harness import TINY_ENGINE, live_server
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 MODEL = {"model_name": "tiny-llama"}
@@ -30,9 +29,7 @@ VLLM_NAMES = ["time_to_first_token_seconds", "time_per_output_token_seconds", "i
 
 @pytest.fixture(scope="module")
 def server(converted):
-    model_dir = converted("llama3.1")
-    engine = LLMEngine.from_model_dir(model_dir, TINY_ENGINE, show_progress=False)
-    with running_engine(engine) as async_engine, serve_in_thread(server_state(async_engine, model_dir)) as live:
+    with live_server(converted("llama3.1"), TINY_ENGINE) as live:
         yield live
 
 

@@ -84,5 +84,13 @@ def running_engine(engine: LLMEngine, max_queued_requests: int | None = 256) -> 
         async_engine.stop()
 
 
+@contextlib.contextmanager
+def live_server(model_dir, config: EngineConfig) -> Iterator[LiveServer]:
+    """An engine built from `model_dir` with `config`, served in a thread with the default server settings."""
+    engine = LLMEngine.from_model_dir(model_dir, config, show_progress=False)
+    with running_engine(engine) as async_engine, serve_in_thread(server_state(async_engine, model_dir)) as live:
+        yield live
+
+
 def server_state(async_engine: AsyncEngine, model_dir, **config) -> ServerState:
     return ServerState.build(async_engine, ServerConfig(served_model_name=("tiny-llama",), **config), str(model_dir))
