@@ -5,9 +5,10 @@
              replayed from a plain greedy run of the same prompt: they are always right, so the ratio measures the
              verify path itself (a K + 1 token step against K + 1 decode steps), whatever a proposer's quality
     demo     checkpoints/demo, batch 1 (one request at a time), greedy, prompts cut from the Python files of its
-             held-out split: n-gram proposals against plain decoding
-    batch    checkpoints/demo, 64 requests at once: n-gram with the default --speculative-disable-batch-size
-             against plain decoding (speculation must not slow a large batch)
+             held-out split: n-gram proposals and the bundled draft model (checkpoints/demo-draft) against plain
+             decoding
+    batch    checkpoints/demo, 64 requests at once: n-gram and draft with the default
+             --speculative-disable-batch-size against plain decoding (speculation must not slow a large batch)
     cutoff   checkpoints/demo, n-gram never disabled against plain at batch 1..32: where speculation stops paying
              (the default --speculative-disable-batch-size comes from it)
     ngram    the n-gram proposer's host cost per proposal on a long history
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,13 +35,15 @@ import numpy as np
 
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.engine import EngineCore, LLMEngine
 from jaxserve.models.llama import random_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec.ngram import NgramProposer
+from jaxserve.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "checkpoints" / "demo"
+DEMO_DRAFT = Path(os.environ.get("JAXSERVE_DEMO_DRAFT", ROOT / "checkpoints" / "demo-draft"))
 SMALL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=768, intermediate_size=2048,
                     num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, max_position_embeddings=8192,
                     rope=RopeConfig(), dtype="float32")  # the peers' `small` (make_models.py), random weights
@@ -141,7 +145,6 @@ def demo_prompts(count: int, length: int) -> list[list[int]]:
     sys.path.insert(0, str(ROOT / "checkpoints"))
     from train_demo import load_corpus
 
-    from jaxserve.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(DEMO)
     prompts = []
     for text in load_corpus().heldout:
@@ -160,22 +163,24 @@ def demo_engines(max_num_seqs: int, methods: list[tuple[str, int]]) -> dict[str,
                           compilation_cache_dir="")
     engines = {"plain": LLMEngine(model, config, show_progress=False)}
     for method, k in methods:
-        engines[f"{method}-K{k}"] = LLMEngine(model, config.replace(speculative_method=method,
-                                                                    num_speculative_tokens=k), show_progress=False)
+        draft = str(DEMO_DRAFT) if method == "draft" else None
+        engines[f"{method}-K{k}"] = LLMEngine.from_core(EngineCore(
+            model, config.replace(speculative_method=method, num_speculative_tokens=k, speculative_model=draft),
+            load_tokenizer(DEMO), show_progress=False))
     return engines
 
 
 def demo(args) -> dict:
-    engines = demo_engines(1, [("ngram", k) for k in args.k])
+    engines = demo_engines(1, [(method, k) for method in args.methods for k in args.k])
     prompts = demo_prompts(args.num_prompts, 96)
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     rows = compare(engines, lambda e: one_at_a_time(e, prompts, params), args.repeats)
-    return report("demo", rows, model="checkpoints/demo", batch=1, prompts=len(prompts), input_len=96,
-                  output_len=128, draft="not implemented (--speculative-method draft is refused)")
+    return report("demo", rows, model="checkpoints/demo", draft="checkpoints/demo-draft", batch=1,
+                  prompts=len(prompts), input_len=96, output_len=128)
 
 
 def batch(args) -> dict:
-    engines = demo_engines(64, [("ngram", 3)])
+    engines = demo_engines(64, [(method, 3) for method in args.methods])
     prompts = demo_prompts(64, 96)
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     rows = compare(engines, lambda e: generate(e, prompts, params), args.repeats)
@@ -242,7 +247,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128, help="oracle section prompt length")
     parser.add_argument("--output-len", type=int, default=128, help="oracle section output length")
     parser.add_argument("--num-prompts", type=int, default=8, help="demo section prompts (one at a time)")
-    parser.add_argument("--k", type=int, nargs="+", default=[3], help="demo section: K values for n-gram")
+    parser.add_argument("--k", type=int, nargs="+", default=[3], help="demo section: K values")
+    parser.add_argument("--methods", nargs="+", choices=["ngram", "draft"], default=["ngram", "draft"],
+                        help="demo and batch sections: the proposers compared with plain decoding")
     parser.add_argument("--cutoff-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--out", help="append the JSON results here")
     args = parser.parse_args()

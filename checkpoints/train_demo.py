@@ -502,10 +502,18 @@ class Data:
     heldout: np.ndarray  # token stream of the held-out split
 
 
-def prepare_data(tc: TrainConfig, corpus: Corpus, log: Log) -> Data:
+def prepare_data(tc: TrainConfig, corpus: Corpus, log: Log, tokenizer_from: Path | None = None) -> Data:
+    """`tokenizer_from`: a checkpoint directory whose tokenizer.model is reused instead of training one (a draft
+    model for speculative decoding must share its target's token ids)."""
     log.print(f"corpus {corpus.root}: {len(corpus.train_files)} train / {len(corpus.heldout_files)} held-out files "
               f"({len(corpus.skipped)} not UTF-8, skipped)")
-    sp = train_tokenizer(corpus.train, tc.vocab_size, tc.seed)
+    if tokenizer_from is None:
+        sp = train_tokenizer(corpus.train, tc.vocab_size, tc.seed)
+    else:
+        sp = spm.SentencePieceProcessor(model_file=str(tokenizer_from / "tokenizer.model"))
+        if sp.get_piece_size() != tc.vocab_size:
+            raise SystemExit(f"{tokenizer_from}/tokenizer.model has {sp.get_piece_size()} pieces, not the "
+                             f"vocab_size {tc.vocab_size} asked for: pass --set vocab_size={sp.get_piece_size()}")
     data = Data(sp, encode_documents(sp, corpus.train), encode_documents(sp, corpus.heldout))
     log.print(f"tokenizer: {sp.get_piece_size()} pieces; {len(data.train):,} train / "
               f"{len(data.heldout):,} held-out tokens")
@@ -523,10 +531,10 @@ def initial_state(cfg: ModelConfig, tc: TrainConfig, state_path: Path | None, lo
 
 
 def run(tc: TrainConfig, out: Path, corpus: Corpus, minutes: float | None = None, resume: bool = False,
-        max_new_tokens: int = 96) -> dict[str, Any]:
+        max_new_tokens: int = 96, tokenizer_from: Path | None = None) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to out/training_summary.json) the run's summary."""
     log, load_at_start = Log(), os.getloadavg()
-    data = prepare_data(tc, corpus, log)
+    data = prepare_data(tc, corpus, log, tokenizer_from)
     cfg = model_config(tc, data.sp)
     state_path = out.parent / f".{out.name}.train_state.npz" if resume else None
     graphdef, state = initial_state(cfg, tc, state_path, log)
@@ -590,6 +598,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]
     parser.add_argument("--resume", action="store_true",
                         help="save a resume point next to --out at every evaluation and continue from it")
     parser.add_argument("--max-files", type=int, help="use only the first N corpus files (quick trials)")
+    parser.add_argument("--tokenizer-from", type=Path, metavar="DIR",
+                        help="reuse DIR/tokenizer.model instead of training a tokenizer (e.g. a draft model for "
+                             "speculative decoding: --tokenizer-from checkpoints/demo)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a TrainConfig field, e.g. --set hidden_size=320 (repeatable)")
     args = parser.parse_args(argv)
@@ -609,7 +620,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]
 def main(argv: list[str] | None = None) -> int:
     args, tc = parse_args(argv)
     corpus = load_corpus(heldout_every=tc.heldout_every, max_files=args.max_files)
-    summary = run(tc, args.out, corpus, minutes=args.minutes, resume=args.resume)
+    summary = run(tc, args.out, corpus, minutes=args.minutes, resume=args.resume, tokenizer_from=args.tokenizer_from)
     print(json.dumps({k: summary[k] for k in ("parameters", "steps", "tokens_seen", "wall_minutes",
                                               "tokens_per_second", "heldout")}, indent=2))
     return 0

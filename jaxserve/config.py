@@ -418,11 +418,11 @@ class EngineConfig:
     num_processes: int | None = None  # multi-host: processes (hosts) in the run
     process_id: int | None = None  # multi-host: this process's rank, 0..num_processes-1 (0 serves and schedules)
     generation_config: str = "auto"  # auto | vllm | a folder: where requests' default sampling comes from
-    speculative_method: str | None = None  # speculative decoding: ngram (prompt lookup); draft is not implemented yet
+    speculative_method: str | None = None  # speculative decoding: ngram (prompt lookup) or draft (a small model)
     num_speculative_tokens: int = 3  # K: tokens proposed per speculating sequence and step, 1..8
     ngram_max: int = 4  # ngram: longest suffix looked up in the sequence's earlier tokens
     ngram_min: int = 1  # ngram: shortest suffix looked up
-    speculative_model: str | None = None  # for --speculative-method draft (not implemented yet): the draft's folder
+    speculative_model: str | None = None  # --speculative-method draft: the draft's jaxserve checkpoint folder
     speculative_disable_batch_size: int | None = 8  # no speculation in a step with more running sequences
 
     enable_lora: bool = False  # serve LoRA adapters (PEFT directories) beside the base model, mixed in one batch

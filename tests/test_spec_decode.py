@@ -148,7 +148,7 @@ def test_bad_speculative_settings_are_refused(model):
         LLMEngine(model, ngram(ENGINE, 9), show_progress=False)
     with pytest.raises(ConfigError, match="speculative-method"):
         LLMEngine(model, ENGINE.replace(speculative_method="medusa"), show_progress=False)
-    with pytest.raises(ConfigError, match="draft is not implemented"):
+    with pytest.raises(ConfigError, match="needs --speculative-model"):
         LLMEngine(model, ENGINE.replace(speculative_method="draft"), show_progress=False)
     with pytest.raises(ConfigError, match="ngram-min"):
         LLMEngine(model, ngram(ENGINE, 2, ngram_min=3, ngram_max=2), show_progress=False)

@@ -182,3 +182,88 @@ def test_random_traffic_with_speculation_preemption_and_aborts(seed):
         for s in seqs:
             assert s.finish_reason == "length"
             assert s.output_token_ids == reference_continuation(prompt, s.params.max_tokens)
+
+
+# ---- a draft model's cache (jaxserve.spec.draft): its forward pass runs only in speculating steps ---------------
+class DraftOracle(OracleProposer):
+    keeps_cache = True  # as jaxserve.spec.draft.DeviceProposals: proposing needs the draft's own cache
+
+
+class DraftFakeDevice(FakeDevice):
+    """Also keeps the draft's cache, written only in steps with the draft's pass; a row that proposes must find
+    every token before its query tokens there (what the draft model attends to)."""
+
+    def __init__(self, num_pages, page_size, num_slots):
+        super().__init__(num_pages, page_size, num_slots)
+        self.draft_kv = [[None] * page_size for _ in range(num_pages)]
+        self.proposing_rows = 0
+
+    def execute(self, plan):
+        for assignment in plan.new_slots:
+            self.buffers[assignment.slot] = list(assignment.token_ids)
+        for row in plan.seqs:
+            first = row.context_len - row.num_new_tokens
+            buffer = self.buffers[row.slot]
+            if row.draft_token_ids:
+                self.proposing_rows += 1
+                assert plan.draft_pass
+                attended = [self.draft_kv[row.pages[p // self.page_size]][p % self.page_size] for p in range(first)]
+                assert attended == buffer[:first], "the draft's cache misses tokens of a sequence that proposes"
+            if plan.draft_pass:
+                known = row.context_len - row.num_draft_tokens
+                tokens = buffer[:known] + list(row.draft_token_ids)
+                for pos in range(first, row.context_len):
+                    self.draft_kv[row.pages[pos // self.page_size]][pos % self.page_size] = tokens[pos]
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_draft_proposes_only_over_a_whole_cache_of_its_own(seed):
+    """Random traffic around the disable batch size (so steps with and without the draft's pass alternate), with
+    shared prefixes, forks, preemption and aborts: every proposing row finds its tokens in the draft's cache,
+    outputs stay exact, and speculation still happens."""
+    rng = random.Random(seed)
+    config = SchedulerConfig(6, 24, 64, 4, rng.choice([1, 3]), 3)
+    sched = Scheduler(config, PageAllocator(28, 4, True), eos_token_ids=(), proposer=DraftOracle(seed, spoil=0.3))
+    dev = DraftFakeDevice(28, 4, config.num_slots)
+    shared = [rng.randint(1, 5) for _ in range(12)]
+    expected, live, in_flight = {}, [], []
+    for step in range(400):
+        if rng.random() < 0.25 and step < 300:
+            rid = f"r{step}"
+            prompt = (shared[:rng.randint(0, 12)] + [rng.randint(1, 5) for _ in range(rng.randint(1, 16))])
+            params = SamplingParams(n=rng.choice([1, 1, 2]), temperature=0.0, max_tokens=rng.randint(1, 20))
+            expected[rid] = (prompt, sched.add_request(rid, prompt, params))
+            live.append(rid)
+        if live and rng.random() < 0.04:
+            rid = live.pop(rng.randrange(len(live)))
+            sched.abort_request(rid)
+            expected.pop(rid)
+        engine_step(sched, dev, in_flight)
+    run(sched, dev, in_flight=in_flight)
+    assert sched.allocator.num_used_pages == 0
+    assert dev.proposing_rows > 0 and sched.speculation.num_accepted_tokens > 0
+    for prompt, seqs in expected.values():
+        for s in seqs:
+            assert s.output_token_ids == reference_continuation(prompt, s.params.max_tokens)
+
+
+def test_a_step_without_the_drafts_pass_makes_its_sequences_stale():
+    sched = Scheduler(SchedulerConfig(4, 64, 64, 4, 2, 1), PageAllocator(32, 4, True), eos_token_ids=(),
+                      proposer=DraftOracle(0, spoil=0.0))
+    dev = DraftFakeDevice(32, 4, sched.config.num_slots)
+    a = sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    b = sched.add_request("b", [6, 7, 8], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    plan = sched.schedule()  # nothing running yet: a speculating step, both admitted with the draft's pass
+    assert plan.draft_pass and not a.draft_stale and not b.draft_stale
+    sched.update(plan, dev.execute(plan))
+    plan = sched.schedule()  # two running, over the limit of 1: no draft pass, no proposals
+    assert not plan.draft_pass and not plan.is_verify and a.draft_stale and b.draft_stale
+    sched.update(plan, dev.execute(plan))
+    sched.abort_request("b")
+    plan = sched.schedule()  # a alone: a speculating step again, but a's draft cache has a gap
+    assert plan.draft_pass and not plan.is_verify
+    sched.update(plan, dev.execute(plan))
+    c = sched.add_request("c", [9, 9, 9], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    plan = sched.schedule()  # c starts whole
+    assert not c.draft_stale

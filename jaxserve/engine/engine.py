@@ -53,6 +53,7 @@ from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
 from jaxserve.quant.memory import weight_bytes
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec.draft import DeviceProposals, check_draft_config, load_draft
 from jaxserve.spec.ngram import NgramProposer
 from jaxserve.scheduler.scheduler import (SampledToken, ScheduledSequence, Scheduler, SchedulerConfig,
                                           SequenceUpdate, StepPlan)
@@ -77,7 +78,10 @@ class EngineCore:
     accounting off (no metrics, no bottleneck verdict)."""
 
     def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, metered: bool = True):
+                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, metered: bool = True,
+                 draft: Llama | None = None):
+        """`draft`: the draft model of --speculative-method draft, when the caller has it in memory (otherwise
+        read from config.speculative_model)."""
         self.config = config
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -90,21 +94,25 @@ class EngineCore:
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(self._with_adapters(model), self.sharder)
         model.cfg = model.cfg.for_context(self.max_model_len)  # LongRoPE picks its factors once, for this length
+        draft = self._draft(model, draft, tokenizer)
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
         options = ({"xla_backend_optimization_level": config.xla_optimization_level}
                    if config.xla_optimization_level is not None else None)
         started = time.perf_counter()
-        largest = self._cache(abstract_on_mesh, wanted_pages(config, self.max_model_len))  # measured against
-        self.runner = ModelRunner(model, largest, slots, self.buckets, self.kernels, options, self.sharder)
+        largest = wanted_pages(config, self.max_model_len)  # the cache the largest shapes are measured against
+        self.runner = ModelRunner(model, self._cache(abstract_on_mesh, largest), slots, self.buckets, self.kernels,
+                                  options, self.sharder, draft, self._draft_cache(abstract_on_mesh, largest))
         self.runner.mirror = leader_mirror()
         self.kv_plan = self._plan_kv(free, self.runner.measure_transients(self.buckets.largest_shapes()))
-        self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages))
+        self.runner.set_cache(self._cache(abstract_on_mesh, self.kv_plan.num_pages),
+                              self._draft_cache(abstract_on_mesh, self.kv_plan.num_pages))
         self.runner.compile_all(_progress("compiling step shapes") if show_progress else None)
         self.compile_seconds = time.perf_counter() - started
         self.temporaries = transient_bytes(self.runner.all_executables())  # every shape's, all compiled now
-        self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages))
+        self.runner.set_cache(self._cache(create_on_mesh, self.kv_plan.num_pages),
+                              self._draft_cache(create_on_mesh, self.kv_plan.num_pages))
         allocator = PageAllocator(self.kv_plan.num_pages, config.page_size, config.enable_prefix_caching)
         eos = model.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer is not None else ())
         spec = self.speculation
@@ -112,7 +120,7 @@ class EngineCore:
                                                    self.max_model_len, config.page_size,
                                                    spec.num_tokens if spec else 0,
                                                    spec.disable_batch_size if spec else None),
-                                   allocator, eos, seed=config.seed, proposer=make_proposer(spec),
+                                   allocator, eos, seed=config.seed, proposer=make_proposer(spec, draft),
                                    adapter_slots=self._adapter_slots)
         for item in config.lora_modules if not config.merge_lora else ():
             self.add_lora(*parse_lora_module(item))
@@ -124,7 +132,7 @@ class EngineCore:
         # compile in the background from the first constrained request; a multi-host run's followers replay
         # fused steps only, and without async scheduling nothing is ahead
         self._split_decode: concurrent.futures.Future | None = None
-        self._late_masks_possible = config.async_scheduling and self.runner.mirror is None
+        self._late_masks_possible = config.async_scheduling and self.runner.mirror is None and draft is None
         self._in_flight: PendingStep | None = None
         host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
         self._log_ready()
@@ -165,6 +173,27 @@ class EngineCore:
         log.info("LoRA adapter %s (rank %d) merged into the base weights", name, adapter.rank)
         return lora_weights.merge(model, adapter)
 
+    def _draft(self, model: Llama, draft: Llama | None, tokenizer) -> Llama | None:
+        """The draft model of --speculative-method draft, checked against the target and placed on the mesh (its
+        cache is planned with the target's: jaxserve.spec.draft); None for other methods."""
+        spec = self.speculation
+        self._draft_config = None
+        if spec is None or spec.method != "draft":
+            if draft is not None:
+                raise ConfigError("a draft model was given, but --speculative-method is not draft")
+            return None
+        if draft is None:  # loaded on the default device, then placed (one device: checked_speculation)
+            draft = load_draft(spec.draft_model, model.cfg, tokenizer, jnp.dtype(model.dtype).name,
+                               self.max_model_len)
+        else:
+            check_draft_config(draft.cfg, model.cfg, self.max_model_len)
+        draft = place_model(draft, model_sharder(draft.cfg, self.sharder.mesh, draft.dtype))
+        draft.cfg = self._draft_config = draft.cfg.for_context(self.max_model_len)
+        log.info("speculative decoding with draft model %s: %d layers, %.1fM parameters, K = %d",
+                 spec.draft_model or "(given in memory)", draft.cfg.num_layers, draft.cfg.num_params() / 1e6,
+                 spec.num_tokens)
+        return draft
+
     def _log_ready(self) -> None:
         plan = self.kv_plan
         log.info("engine ready: %s attention, weights %s (%.1f MiB), step temporaries %.1f MiB (+%.1f MiB margin), "
@@ -182,6 +211,11 @@ class EngineCore:
     def stats(self):
         """The step records and totals (jaxserve.engine.stats.EngineStats) the metrics and benchmarks read."""
         return self.meter.stats
+
+    @property
+    def draft_config(self) -> ModelConfig | None:
+        """The draft model's config (--speculative-method draft), else None."""
+        return self._draft_config
 
     @property
     def limits(self) -> RequestLimits:
@@ -219,14 +253,24 @@ class EngineCore:
 
     def _plan_kv(self, free: int, temporaries: int) -> KVPlan:
         """Pages of the KV cache: what fits on the fullest device of the mesh beside the step executables'
-        temporaries, each device holding its share of KV heads (jaxserve.engine.memory)."""
+        temporaries, each device holding its share of KV heads (jaxserve.engine.memory); with a draft model, a
+        page is the target's and the draft's."""
         return plan_kv_cache(self.model_config, self.config, self.max_model_len, self.kv_dtype, free, temporaries,
-                             kv_shards=self.sharder.shards("kv_heads"))
+                             kv_shards=self.sharder.shards("kv_heads"), draft=self._draft_config)
 
     def _cache(self, on_mesh: Callable, num_pages: int) -> KVCache:
         """The cache of `num_pages` pages on the mesh: allocated (create_on_mesh) or abstract (abstract_on_mesh, to
         compile against before it exists)."""
         cfg = self.model_config
+        return on_mesh(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, self.config.page_size,
+                                             cfg.head_dim, self.kv_dtype),
+                       lambda a: kv_cache_shardings(a, self.sharder))
+
+    def _draft_cache(self, on_mesh: Callable, num_pages: int) -> KVCache | None:
+        """The draft model's cache: as many pages as the target's, of the draft's layers and heads."""
+        cfg = self._draft_config
+        if cfg is None:
+            return None
         return on_mesh(lambda: KVCache.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, self.config.page_size,
                                              cfg.head_dim, self.kv_dtype),
                        lambda a: kv_cache_shardings(a, self.sharder))
@@ -436,7 +480,8 @@ class EngineCore:
         failed), or any step error in a multi-host run (the followers may have run what the leader did not)."""
         if isinstance(exc, (jax.errors.JaxRuntimeError, MemoryError)) or self.runner.mirror is not None:
             return True
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.runner.kv, self.runner.slots)))
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.runner.kv, self.runner.slots,
+                                                                  self.runner.draft_kv)))
 
     def _dispatch(self, plan: StepPlan) -> PendingStep | PendingForward:
         for slot, adapter_id in plan.lora_loads:
@@ -447,6 +492,8 @@ class EngineCore:
             flags |= SamplingFlags.of(row.params)
         if not any(row.prompt_logprobs for row in plan.seqs):
             flags &= ~SamplingFlags.PROMPT_LOGPROBS
+        if plan.draft_pass:
+            flags |= SamplingFlags.DRAFT_PASS
         self.meter.dispatching(plan)
         if plan.late_mask:  # the forward half now, the sampling half once the previous step is read (step())
             return self.runner.dispatch_forward(plan, flags)
@@ -504,8 +551,8 @@ class LLMEngine:
     synchronously by its caller. Requests are validated here, once (jaxserve.validation)."""
 
     def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None):
-        self._attach(EngineCore(model, config, tokenizer, show_progress=show_progress, mesh=mesh))
+                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, draft: Llama | None = None):
+        self._attach(EngineCore(model, config, tokenizer, show_progress=show_progress, mesh=mesh, draft=draft))
 
     @classmethod
     def from_core(cls, core) -> "LLMEngine":
@@ -680,20 +727,24 @@ def prompt_logprobs_chunks(pending: PendingStep) -> dict[int, PromptLogprobsChun
 
 def checked_speculation(config: EngineConfig):
     """The engine's speculative-decoding settings (jaxserve.config.SpeculativeConfig), or None when off."""
-    if config.speculative_method == "draft":
-        raise ConfigError("--speculative-method draft is not implemented yet; use --speculative-method ngram")
     spec = config.speculation()
     if spec is None:
         return None
     if config.coordinator_address is not None:
         raise ConfigError("speculative decoding is single-host for now: drop --speculative-method or "
                           "--coordinator-address")
+    if spec.method == "draft" and config.tensor_parallel_size > 1:
+        raise ConfigError("--speculative-method draft runs on one device per engine for now: drop "
+                          "--tensor-parallel-size, or use --speculative-method ngram")
     return spec
 
 
-def make_proposer(spec):
+def make_proposer(spec, draft: Llama | None):
+    """The scheduler's proposer: n-gram lookups on the host, or placeholders the draft model fills on device."""
     if spec is None:
         return None
+    if draft is not None:
+        return DeviceProposals()
     return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 

@@ -57,12 +57,16 @@ def reserve_margin(temporaries: int) -> int:
 
 
 def plan_kv_cache(cfg: ModelConfig, engine: EngineConfig, max_model_len: int, kv_dtype, free_bytes: int,
-                  temporaries: int, kv_shards: int = 1) -> KVPlan:
+                  temporaries: int, kv_shards: int = 1, draft: ModelConfig | None = None) -> KVPlan:
     """Pages for the KV cache of storage dtype `kv_dtype` (see the module docstring). Budgets and bytes are per
     device: with the KV heads split over `kv_shards` devices (tensor parallelism), a page takes 1/kv_shards of its
-    bytes on each."""
+    bytes on each. With a `draft` model (speculative decoding), each page also has the draft's K/V for its
+    tokens, in a cache of its own (jaxserve.spec.draft)."""
     page_size = engine.page_size
-    bytes_per_page = kv_bytes_per_token(cfg, "auto", kv_dtype) * page_size // kv_shards
+    per_token = kv_bytes_per_token(cfg, "auto", kv_dtype)
+    if draft is not None:
+        per_token += kv_bytes_per_token(draft, "auto", kv_dtype)
+    bytes_per_page = per_token * page_size // kv_shards
     wanted = wanted_pages(engine, max_model_len)
     margin = reserve_margin(temporaries)
     room = free_bytes - temporaries - margin

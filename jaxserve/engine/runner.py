@@ -9,6 +9,10 @@ are a handful of small int32 arrays per step (block tables, context lengths, que
 mask, flags); tokens are read on device from the slot token buffer, and only the sampled ids (and, when asked,
 logprobs) come back.
 
+With a draft model (speculative decoding, jaxserve.spec.draft), every executable also runs the draft's forward pass
+over the step's tokens into the draft's own cache (donated too), and verify shapes make the draft's proposals first,
+in a loop on device.
+
 On a mesh (jaxserve.parallel, tensor parallelism): params and the KV cache arrive placed on it (engine/placement),
 every executable is traced under the mesh and pins its outputs (the cache keeps its sharding, everything else is
 replicated), so GSPMD partitions the XLA ops and the attention runs under shard_map over KV heads.
@@ -32,8 +36,8 @@ from flax import nnx
 
 from jaxserve.engine.buckets import BucketError, BucketTable, StepShape
 from jaxserve.engine.memory import transient_bytes
-from jaxserve.engine.sampler import (FLAG_PROMPT_LOGPROBS, NUM_FLAGS, SampleOutput, SamplingFlags, SlotState,
-                                     VerifyOutput, assign_slot, sample, verify)
+from jaxserve.engine.sampler import (FLAG_DRAFT_PASS, FLAG_PROMPT_LOGPROBS, NUM_FLAGS, SampleOutput, SamplingFlags,
+                                     SlotState, VerifyOutput, assign_slot, sample, sample_draft, verify)
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.lora.weights import write_slot
 from jaxserve.models.kernels import Kernels
@@ -185,21 +189,29 @@ def prompt_logprobs_step(model: Llama, hidden: jax.Array, targets: jax.Array, ke
                           top_lp.reshape(-1, MAX_TOP_LOGPROBS)[:t])
 
 
-def step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, *, shape: StepShape, page_size: int,
-         kernels: Kernels, sharder: Sharder | None = None
-         ) -> tuple[KVCache, SlotState, SampleOutput, PromptLogprobs | None]:
+def step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, draft_params=None,
+         draft_kv: KVCache | None = None, *, shape: StepShape, page_size: int, kernels: Kernels,
+         sharder: Sharder | None = None, draft_graphdef=None) -> tuple:
     """One whole step (compiled per StepShape, kv and slots donated): forward, prompt logprobs (prefill shapes,
     behind lax.cond on the flag), sampling. Prompt logprobs read their targets from the token buffer before
-    sampling writes into it, as the forward pass reads its input tokens."""
+    sampling writes into it, as the forward pass reads its input tokens. With a draft model (speculative
+    decoding), its forward pass over the same tokens too, when the step's DRAFT_PASS flag says so (its cache
+    donated and returned last; the scheduler knows which pages a step without it leaves behind)."""
     kv, out = model_step(graphdef, params, kv, slots.tokens, inputs, shape=shape, page_size=page_size,
                          kernels=kernels)
+    if draft_graphdef is not None:
+        draft_kv = jax.lax.cond(
+            inputs.flags[FLAG_DRAFT_PASS],
+            lambda cache: model_step(draft_graphdef, draft_params, cache, slots.tokens, inputs, shape=shape,
+                                     page_size=page_size, kernels=kernels)[0],
+            lambda cache: cache, draft_kv)
     logits = gather_logits(out.logits, sharder)
     prompt_lp = None
     if shape.kind == "prefill":
         prompt_lp = maybe_prompt_logprobs(graphdef, params, out, slots, inputs.flags, kernels, sharder)
     slots, sampled = sample_step(logits, slots, inputs.row_slots, inputs.context_lens, inputs.sample_mask,
                                  inputs.flags, inputs.disallowed)
-    return kv, slots, sampled, prompt_lp
+    return (kv, slots, sampled, prompt_lp) + ((draft_kv,) if draft_graphdef is not None else ())
 
 
 def maybe_prompt_logprobs(graphdef, params, out: ModelOutputs, slots: SlotState, flags: jax.Array, kernels: Kernels,
@@ -211,14 +223,24 @@ def maybe_prompt_logprobs(graphdef, params, out: ModelOutputs, slots: SlotState,
         lambda: PromptLogprobs.zeros(out.hidden.shape[0]))
 
 
-def verify_step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, drafts: DraftInputs, *,
-                shape: StepShape, page_size: int, kernels: Kernels, sharder: Sharder | None = None
-                ) -> tuple[KVCache, SlotState, VerifyOutput, PromptLogprobs]:
+def verify_step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, drafts: DraftInputs,
+                draft_params=None, draft_kv: KVCache | None = None, *, shape: StepShape, page_size: int,
+                kernels: Kernels, sharder: Sharder | None = None, draft_graphdef=None) -> tuple:
     """A step whose rows may carry proposals (speculative decoding; the ragged prefill family with logits at K + 1
     tokens per row): the proposals go into the token buffer, the forward pass runs, and the sampler accepts or
     rejects them on device (jaxserve.engine.sampler.verify). Row s's sampled tokens go at positions
-    context_lens[s] - counts[s] + j, j = 0..K; only the accepted ones and the next are written to its history."""
+    context_lens[s] - counts[s] + j, j = 0..K; only the accepted ones and the next are written to its history.
+
+    With a draft model, the proposals are made here first (`draft_proposals`, drafts.tokens are placeholders)
+    and verified against the draft's distributions; then the draft's forward pass runs over the step's query
+    tokens, as in `step`, and its cache is returned last."""
     num_seqs, k = drafts.tokens.shape
+    draft_probs = None
+    if draft_graphdef is not None:
+        draft_kv, proposed, draft_probs = draft_proposals(
+            draft_graphdef, draft_params, draft_kv, slots, inputs, drafts.counts, k, pages=shape.pages,
+            page_size=page_size, kernels=kernels, sharder=sharder)
+        drafts = DraftInputs(proposed, drafts.counts)
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     positions = inputs.context_lens[:, None] - drafts.counts[:, None] + j  # [S, K + 1]
     history = slots.tokens.shape[1]
@@ -227,14 +249,54 @@ def verify_step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInp
     rows = jnp.clip(inputs.query_start[1:, None] - 1 - drafts.counts[:, None] + j, 0, shape.tokens - 1)
     kv, out = model_step(graphdef, params, kv, tokens, inputs, shape=shape, page_size=page_size, kernels=kernels,
                          logit_rows=rows.reshape(-1))
+    if draft_graphdef is not None:
+        draft_kv, _ = model_step(draft_graphdef, draft_params, draft_kv, tokens, inputs, shape=shape,
+                                 page_size=page_size, kernels=kernels)
     slots = dataclasses.replace(slots, tokens=tokens)
     logits = gather_logits(out.logits, sharder).reshape(num_seqs, k + 1, -1)
     prompt_lp = maybe_prompt_logprobs(graphdef, params, out, slots, inputs.flags, kernels, sharder)
-    sampled = verify(logits, slots, inputs.row_slots, positions, drafts.tokens, drafts.counts, inputs.flags)
+    sampled = verify(logits, slots, inputs.row_slots, positions, drafts.tokens, drafts.counts, inputs.flags,
+                     draft_probs)
     keep = inputs.sample_mask[:, None] & (j <= sampled.num_accepted[:, None])
     tokens = slots.tokens.at[inputs.row_slots[:, None], jnp.where(keep, positions, history)].set(
         sampled.tokens, mode="drop")
-    return kv, dataclasses.replace(slots, tokens=tokens), sampled, prompt_lp
+    out = (kv, dataclasses.replace(slots, tokens=tokens), sampled, prompt_lp)
+    return out + ((draft_kv,) if draft_graphdef is not None else ())
+
+
+def draft_proposals(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, counts: jax.Array, k: int,
+                    *, pages: int, page_size: int, kernels: Kernels, sharder: Sharder | None = None
+                    ) -> tuple[KVCache, jax.Array, jax.Array]:
+    """A draft model's proposals for a verify step, in one loop inside the executable (lax.fori_loop, K
+    iterations): row s proposes counts[s] tokens, starting from its last known token (the first of its query
+    tokens, at context_lens[s] - counts[s] - 1). Iteration j runs every proposing row's token at position
+    start + j through the draft (a decode step: one token per row, its K/V written to the draft's cache, whose
+    earlier positions the draft's forward pass over every past step filled) and draws proposal j + 1 from the
+    draft's distribution (jaxserve.engine.sampler.sample_draft). Rows with fewer proposals, or none, are padding
+    rows for the iterations past their count (they write only the null page).
+
+    Returns (the draft's cache, proposals [S, K] int32, their distributions q [S, K, vocab] float32)."""
+    num_seqs = counts.shape[0]
+    decode = StepShape("decode", num_seqs, num_seqs, pages)
+    start = inputs.context_lens - counts - 1
+    history = slots.tokens.shape[1]
+    vocab = params["embed"][...].shape[0]
+
+    def one(j, carry):
+        kv, tokens, proposed, probs = carry
+        active = j < counts
+        position = start + j + 1  # where the proposal drawn in this iteration goes
+        step_inputs = dataclasses.replace(inputs, context_lens=jnp.where(active, position, 0))
+        kv, out = model_step(graphdef, params, kv, tokens, step_inputs, shape=decode, page_size=page_size,
+                             kernels=kernels)
+        token, q = sample_draft(gather_logits(out.logits, sharder), slots, inputs.row_slots, position,
+                                inputs.flags)
+        tokens = tokens.at[inputs.row_slots, jnp.where(active, position, history)].set(token, mode="drop")
+        return kv, tokens, proposed.at[:, j].set(token), probs.at[:, j].set(q)
+
+    init = (kv, slots.tokens, jnp.zeros((num_seqs, k), jnp.int32), jnp.zeros((num_seqs, k, vocab), jnp.float32))
+    kv, _, proposed, probs = jax.lax.fori_loop(0, k, one, init)
+    return kv, proposed, probs
 
 
 @dataclasses.dataclass
@@ -288,9 +350,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: Llama, kv: KVCache, slots: SlotState, buckets: BucketTable, kernels: Kernels,
-                 compiler_options: dict | None = None, sharder: Sharder | None = None):
+                 compiler_options: dict | None = None, sharder: Sharder | None = None, draft: Llama | None = None,
+                 draft_kv: KVCache | None = None):
         """`buckets.num_speculative_tokens` > 0 adds the verify family (speculative decoding): the prefill
-        shapes again, each with K proposals per row, logits at K + 1 tokens per row and acceptance on device."""
+        shapes again, each with K proposals per row, logits at K + 1 tokens per row and acceptance on device.
+        `draft` (with its cache `draft_kv`, page for page beside `kv`): a draft model whose forward pass runs in
+        every step executable and whose proposals the verify shapes make on device (`draft_proposals`)."""
         self.sharder = sharder or Sharder(single_device_mesh(), RULES)
         self.replicated = self.sharder.replicated  # slots, step inputs and every output but the cache
         self.mirror = None  # multi-host leader: jaxserve.engine.multihost.StepMirror, told each device call first
@@ -298,6 +363,8 @@ class ModelRunner:
         self.compiler_options = compiler_options
         self.cfg = model.cfg
         self.kv, self.slots = kv, slots
+        self.draft_graphdef, self.draft_params = nnx.split(draft) if draft is not None else (None, None)
+        self.draft_kv = draft_kv
         self.buckets = buckets
         self.page_size = kv.page_size
         self.kernels = kernels
@@ -315,13 +382,13 @@ class ModelRunner:
     def all_executables(self) -> list[Callable]:
         return [*self.executables.values(), *self.forwards.values(), *self.samplers.values()]
 
-    def set_cache(self, kv: KVCache) -> None:
-        """Replaces the cache (or the abstract stand-in it was compiled against); the step executables compiled
-        for another page count are dropped."""
+    def set_cache(self, kv: KVCache, draft_kv: KVCache | None = None) -> None:
+        """Replaces the cache (or the abstract stand-in it was compiled against), and the draft model's; the step
+        executables compiled for another page count are dropped."""
         if jax.tree.map(lambda x: x.shape, kv) != jax.tree.map(lambda x: x.shape, self.kv):
             self.executables.clear()
             self.forwards.clear()
-        self.kv = kv
+        self.kv, self.draft_kv = kv, draft_kv
 
     # ---- compilation ----------------------------------------------------------------------------------------
     def compile_all(self, progress: Callable | None = None, workers: int | None = None) -> float:
@@ -353,13 +420,19 @@ class ModelRunner:
     def _lower_step(self, shape: StepShape):
         verifying = shape.kind == "verify"
         fn = functools.partial(verify_step if verifying else step, self.graphdef, shape=shape,
-                               page_size=self.page_size, kernels=self.kernels, sharder=self.sharder)
+                               page_size=self.page_size, kernels=self.kernels, sharder=self.sharder,
+                               draft_graphdef=self.draft_graphdef)
         kv_shardings = jax.tree.map(lambda x: x.sharding, self.kv)
         r = self.replicated
         args = (self.params, self.kv, self.slots, self.abstract_inputs(shape))
         if verifying:
             args += (self.abstract_drafts(shape),)
-        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(*args)
+        donate, out_shardings = (1, 2), (kv_shardings, r, r, r)
+        if self.draft_graphdef is not None:
+            donate += (len(args) + 1,)  # the draft's cache, after its params
+            args += (self.draft_params, self.draft_kv)
+            out_shardings += (jax.tree.map(lambda x: x.sharding, self.draft_kv),)
+        return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
 
     def start_split_decode(self) -> concurrent.futures.Future:
         """Compiles the decode shapes' halves (see the class docstring) in a background thread, so that neither
@@ -497,7 +570,11 @@ class ModelRunner:
         if inputs.disallowed is None:
             inputs = dataclasses.replace(inputs, disallowed=self._no_constraint_mask(shape.seqs))
         extra = () if drafts is None else (drafts,)
-        self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs, *extra)
+        if self.draft_graphdef is None:
+            self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs, *extra)
+        else:
+            self.kv, self.slots, sampled, prompt_lp, self.draft_kv = executable(
+                self.params, self.kv, self.slots, inputs, *extra, self.draft_params, self.draft_kv)
         return sampled, prompt_lp if prompt_logprobs else None
 
     def _no_constraint_mask(self, seqs: int) -> jax.Array:

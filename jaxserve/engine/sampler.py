@@ -99,6 +99,7 @@ class SamplingFlags(enum.IntFlag):
     LOGPROBS = 16
     PROMPT_LOGPROBS = 32
     STRUCTURED = 64  # a row samples under a grammar's token bitmask
+    DRAFT_PASS = 128  # not a sampling stage: the draft model's forward pass runs in this step (jaxserve.spec.draft)
 
     @property
     def logprobs(self) -> bool:
@@ -126,8 +127,9 @@ class SamplingFlags(enum.IntFlag):
         return functools.reduce(operator.or_, (bit for on, bit in flags if on), cls.NONE)
 
 
-NUM_FLAGS = 7
-FLAG_RANDOM, FLAG_FILTERS, FLAG_PENALTIES, FLAG_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, FLAG_STRUCTURED = range(7)
+NUM_FLAGS = 8
+(FLAG_RANDOM, FLAG_FILTERS, FLAG_PENALTIES, FLAG_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, FLAG_STRUCTURED,
+ FLAG_DRAFT_PASS) = range(8)
 
 
 @jax.tree_util.register_dataclass
@@ -307,3 +309,25 @@ def _verify_random(processed, state: SlotState, row_slots, positions, use_filter
     accept = (uniform * q_d < p_d) | no_residual
     drawn = jnp.argmax(residual + gumbel, axis=-1).astype(jnp.int32)
     return drawn.reshape(shape), accept.reshape(shape)
+
+
+def sample_draft(logits: jax.Array, state: SlotState, slots: jax.Array, positions: jax.Array, flags: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """A draft model's proposal for each row (speculative decoding): (tokens [S], q [S, V]), q the distribution
+    the token was drawn from, for `verify`'s acceptance test. Greedy rows propose the draft's argmax (q unused:
+    greedy verification compares with the target's argmax); rows with temperature draw from softmax(logits / T)
+    with key fold_in(fold_in(PRNGKey(seed), position), 2), a stream apart from the target's draws at the same
+    position. The draft's q needs no top-k/p: any q works for exact sampling, as long as it is the one drawn from.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        temperature = state.temperature[slots]
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), p), 2))(
+            state.seed[slots], positions)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[1],), jnp.float32))(keys)
+        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy), jax.nn.softmax(scaled, axis=-1)
+
+    return jax.lax.cond(flags[FLAG_RANDOM], draw, lambda lg: (greedy, jnp.zeros_like(lg)), logits)

@@ -198,7 +198,11 @@ def model_cost(engine) -> ModelCost:
     """The prices of an LLMEngine's steps: its model, weight dtype, KV-cache dtype and devices."""
     dtype = jnp.dtype(engine.runner.params["embed"][...].dtype).name
     kv = kv_bytes_per_token(engine.model_config, "auto", engine.kv_dtype)
-    return ModelCost.of(engine.model_config, dtype, kv, engine.sharder.mesh.devices.size)
+    cost = ModelCost.of(engine.model_config, dtype, kv, engine.sharder.mesh.devices.size)
+    draft = getattr(engine, "draft_config", None)  # speculative decoding with a draft model
+    if draft is None:
+        return cost
+    return cost.plus(ModelCost.of(draft, dtype, kv_bytes_per_token(draft, "auto", engine.kv_dtype)))
 
 
 def monitor_for(engine, cache_dir: str | None, window_seconds: float = WINDOW_SECONDS) -> BottleneckMonitor:

@@ -71,6 +71,17 @@ class ModelCost:
                    expert_bytes=experts,
                    expert_share_per_token=cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 0.0)
 
+    def plus(self, draft: "ModelCost") -> "ModelCost":
+        """The prices of steps that also run a draft model's forward pass over the same tokens (speculative
+        decoding, jaxserve.spec.draft): the two models' sums. A MoE draft's experts count whole. Not counted:
+        the K single-token draft passes a verify step runs first (K more reads of the draft's weights)."""
+        return dataclasses.replace(
+            self, step_weight_bytes=self.step_weight_bytes + draft.step_weight_bytes + draft.expert_bytes,
+            token_weight_bytes=self.token_weight_bytes + draft.token_weight_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token + draft.kv_bytes_per_token,
+            matmul_params=self.matmul_params + draft.matmul_params, head_params=self.head_params + draft.head_params,
+            flops_per_pair=self.flops_per_pair + draft.flops_per_pair)
+
     def expert_coverage(self, tokens_per_step: float) -> float:
         """Expected share of a MoE layer's experts that a step of this many tokens reads."""
         return 1.0 - (1.0 - self.expert_share_per_token) ** tokens_per_step

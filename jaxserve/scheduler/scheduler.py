@@ -27,6 +27,13 @@ back on the host gets up to K proposed tokens and runs K + 1 query tokens (its l
 While speculation is on for a step (at most speculative_disable_batch_size running sequences), decoding
 sequences wait for their pending tokens rather than run one step ahead: a proposal needs the newest token.
 
+A draft model (a proposer with `keeps_cache`, jaxserve.spec.draft) needs its own cache to hold every token before
+a sequence's newest. Its forward pass runs only in speculating steps (`StepPlan.draft_pass`): above the disable
+batch size a large batch pays nothing for it. A sequence scheduled in a step without it is "draft-stale" and never
+proposes again, and the pages that step wrote are marked as missing the draft's K/V; a sequence that takes such a
+page from the prefix cache (or from its fork leader) is draft-stale too. A page freshly written with the draft's
+pass by a sequence that is not stale is whole again.
+
 Structured output: a constrained sequence's next mask needs its newest token. With `late_masks` (the engine has
 split decode executables) it still runs one step ahead in a step with no prompt work, and the plan says
 `late_mask`: the engine sends the forward pass first and the masked sampling once the token is read. In any other
@@ -111,6 +118,7 @@ class StepPlan:
     waiting_for_pages: bool = False  # a sequence was preempted, or a waiting one not admitted, for lack of pages
     lora_loads: tuple[tuple[int, int], ...] = ()  # (slot, adapter id): adapters to write before this step runs
     late_mask: bool = False  # a constrained row's last token is in flight: its mask is made after it is read
+    draft_pass: bool = False  # the draft model's forward pass runs in this step (speculative decoding)
 
     @property
     def is_decode(self) -> bool:
@@ -193,6 +201,9 @@ class Scheduler:
         self._step_ids = itertools.count()
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self.num_preemptions = 0
+        self._keeps_draft_cache = bool(getattr(self.proposer, "keeps_cache", False))
+        self._pages_without_draft: set[int] = set()  # some token's draft K/V was never written (see above)
+        self._draft_pass = False  # the step being scheduled runs the draft's forward pass
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -300,12 +311,32 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: dict[int, ScheduledSequence] = {}
         new_slots: list[SlotAssignment] = []
-        preempted, late_mask = self._schedule_running(budget, scheduled, self.speculating)
+        speculating = self.speculating
+        self._draft_pass = self._keeps_draft_cache and speculating
+        preempted, late_mask = self._schedule_running(budget, scheduled, speculating)
         out_of_pages = preempted or self._schedule_waiting(budget, scheduled, new_slots)
         plan_seqs = tuple(scheduled.values())
         loads = self.adapter_slots.take_loads() if self.adapter_slots is not None else ()
+        if self._keeps_draft_cache:
+            self._track_draft_pages(plan_seqs, self._draft_pass)
         return StepPlan(next(self._step_ids), plan_seqs, tuple(new_slots), sum(s.num_new_tokens for s in plan_seqs),
-                        out_of_pages, loads, late_mask)
+                        out_of_pages, loads, late_mask, self._draft_pass)
+
+    def _track_draft_pages(self, rows: tuple[ScheduledSequence, ...], draft_pass: bool) -> None:
+        """Which pages the draft model's cache holds whole, after a step with or without its forward pass."""
+        page_size = self.config.page_size
+        for row in rows:
+            seq = self.sequences[row.seq_id]
+            written = row.pages[(row.context_len - row.num_new_tokens) // page_size:
+                                -(-row.context_len // page_size)]
+            if draft_pass and not seq.draft_stale:
+                self._pages_without_draft.difference_update(written)
+            else:
+                seq.draft_stale = True
+                self._pages_without_draft.update(written)
+
+    def _inherits_draft_gap(self, pages: Seq[int]) -> bool:
+        return self._keeps_draft_cache and not self._pages_without_draft.isdisjoint(pages)
 
     @property
     def speculating(self) -> bool:
@@ -334,7 +365,8 @@ class Scheduler:
                     continue  # its grammar needs that token before the next mask (jaxserve.structured.matchers)
             if seq.num_speculated or (speculating and seq.num_pending_tokens):
                 continue  # how many tokens its verify step accepts, or the token a proposal needs, is not back
-            drafts = self._propose(seq, budget) if speculating and seq.num_uncomputed_tokens == 1 else ()
+            proposes = speculating and seq.num_uncomputed_tokens == 1 and not seq.draft_stale
+            drafts = self._propose(seq, budget) if proposes else ()
             num_new = min(seq.num_uncomputed_tokens, budget.tokens) + len(drafts)
             while not self._grow_pages(seq, seq.num_computed_tokens + num_new):
                 preempted = True
@@ -379,6 +411,7 @@ class Scheduler:
             seq.pages = self.allocator.lookup_prefix(seq.page_hashes, reusable)
             seq.num_registered_pages = len(seq.pages)
             seq.num_computed_tokens = len(seq.pages) * page_size
+            seq.draft_stale = self._inherits_draft_gap(seq.pages)  # recomputed from here: whole again otherwise
         num_new = min(seq.num_uncomputed_tokens, budget.tokens)
         if not self._grow_pages(seq, seq.num_computed_tokens + num_new):
             self.allocator.free(seq.pages)
@@ -426,6 +459,8 @@ class Scheduler:
             sibling.page_hashes = list(leader.page_hashes[:len(shared)])
             sibling.num_registered_pages = min(leader.num_registered_pages, len(shared))
             sibling.num_computed_tokens = len(shared) * self.config.page_size
+            # the leader's last prompt chunk may be in this very step: whole only if the step has the draft's pass
+            sibling.draft_stale = self._keeps_draft_cache and (leader.draft_stale or not self._draft_pass)
             sibling.fork_parent = None
             self._enqueue(sibling)
 
@@ -552,6 +587,9 @@ class Scheduler:
         for page, count in owners.items():
             assert self.allocator.refcount(page) == count, f"page {page}: {count} owners, refcount differs"
         assert self.allocator.num_used_pages == len(owners)
+        for seq in self.running:  # a sequence that may propose has the draft's K/V of every computed token
+            computed = seq.pages[:-(-seq.num_computed_tokens // self.config.page_size)]
+            assert seq.draft_stale or self._pages_without_draft.isdisjoint(computed), seq.seq_id
         slots = [s.slot for s in self.running]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
         assert len(slots) + len(self._free_slots) == self.config.num_slots - 1

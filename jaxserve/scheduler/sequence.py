@@ -50,6 +50,7 @@ class Sequence:
     fork_parent: "Sequence | None" = None  # a sibling waiting to share this sequence's prompt pages
     lora_id: int = 0  # the LoRA adapter it runs with (jaxserve.lora.registry id; 0 = none)
     lora_slot: int = 0  # that adapter's device slot while RUNNING; 0 otherwise
+    draft_stale: bool = False  # the draft model's cache misses some of its tokens: it proposes no more
 
     @property
     def num_tokens(self) -> int:
