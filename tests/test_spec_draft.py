@@ -34,8 +34,8 @@ DRAFT_ENGINE = ENGINE.replace(prefill_token_buckets=(64,), context_buckets=(384,
 
 
 def with_draft(config: EngineConfig, k: int = 3, **changes) -> EngineConfig:
-    return config.replace(speculative_method="draft", num_speculative_tokens=k, speculative_model="(in memory)",
-                          speculative_disable_batch_size=None, **changes)
+    return config.replace(**{"speculative_method": "draft", "num_speculative_tokens": k,
+                             "speculative_model": "(in memory)", "speculative_disable_batch_size": None, **changes})
 
 
 def first_layers(target: Llama, num_layers: int = 1) -> Llama:
@@ -203,17 +203,21 @@ def test_a_draft_with_another_tokenizer_is_refused():
 
 
 # ---- real checkpoints: the parity fixture families, the demo model and its bundled draft ------------------------
-@pytest.mark.parametrize("family", [f if f == "llama3.2" else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
-def test_draft_greedy_equals_plain_greedy_on_parity_fixtures(family, converted):
+_PLAIN: dict[str, dict] = {}  # family -> greedy outputs without speculation, computed once per session
+
+
+@pytest.mark.parametrize("family,k", [(f, k) if (f, k) == ("llama3.2", 3) else
+                                      pytest.param(f, k, marks=pytest.mark.slow) for f in FAMILIES for k in (1, 3, 5)])
+def test_draft_greedy_equals_plain_greedy_on_parity_fixtures(family, k, converted):
     target = load_model(converted(family), dtype="float32")
     reference = json.loads((FIXTURES / family / "reference.json").read_text())["prompts"]
     prompts = [p["ids"] for p in reference] + [p["ids"] + p["continuation"][:16] for p in reference]
     requests = [(f"f{i}", p, greedy(32)) for i, p in enumerate(prompts)]
-    plain = outputs(run_staggered(LLMEngine(target, FIXTURE_ENGINE, show_progress=False), requests, per_step=2),
-                    requests)
-    engine = LLMEngine(target, with_draft(FIXTURE_ENGINE, 3), show_progress=False, draft=first_layers(target))
-    assert outputs(run_staggered(engine, requests, per_step=2), requests) == plain
+    if family not in _PLAIN:
+        plain = LLMEngine(target, FIXTURE_ENGINE, show_progress=False)
+        _PLAIN[family] = outputs(run_staggered(plain, requests, per_step=2), requests)
+    engine = LLMEngine(target, with_draft(FIXTURE_ENGINE, k), show_progress=False, draft=first_layers(target))
+    assert outputs(run_staggered(engine, requests, per_step=2), requests) == _PLAIN[family]
     assert engine.core.stats_snapshot().spec_decode.num_drafts > 0
 
 
@@ -340,3 +344,29 @@ def test_steps_update_the_drafts_cache_in_place(draft_engine):
         copies = [line for line in executable.as_text().splitlines()
                   if re.search(rf"= {re.escape(cache_type)}\S* copy(-start)?\(", line)]
         assert not copies, (shape, copies)
+
+
+@pytest.mark.slow
+def test_the_server_speculates_with_the_demo_draft():
+    """What `jaxserve serve --speculative-method draft --speculative-model checkpoints/demo-draft` builds: a
+    streamed completion, the spec-decode counters on /metrics, acceptance on /dashboard."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server_harness import live_server
+    config = FIXTURE_ENGINE.replace(max_model_len=256, context_buckets=(256,), speculative_method="draft",
+                                    speculative_model=str(DEMO_DRAFT))
+    with live_server(DEMO, config) as live:
+        with httpx.stream("POST", f"{live.url}/v1/completions", timeout=120,
+                          json={"prompt": "def read_config(path):\n", "max_tokens": 48, "temperature": 0,
+                                "stream": True, "ignore_eos": True}) as response:
+            assert response.status_code == 200
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert len(text) > 20
+        metrics = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{live.url}/metrics").text)
+                   for s in f.samples}
+        assert metrics["jaxserve:spec_decode_num_drafts_total"] > 0
+        assert 0 < metrics["jaxserve:spec_decode_num_accepted_tokens_total"] <= \
+            metrics["jaxserve:spec_decode_num_draft_tokens_total"]
+        assert "acceptance" in httpx.get(f"{live.url}/dashboard").text.lower()
