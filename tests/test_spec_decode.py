@@ -58,7 +58,12 @@ def test_ngram_greedy_equals_the_dense_reference(model, reference, k):
 @pytest.mark.slow
 def test_ngram_greedy_with_preemption_and_prefix_hits(model, reference):
     small = ngram(ENGINE, 3, kv_cache_memory=60 * 8 * 2 * 2 * 2 * 16 * 4)  # 60 pages: far fewer than needed
-    engine = LLMEngine(model, small, show_progress=False)
+    preemption_and_prefix_hits_keep_greedy_output(LLMEngine(model, small, show_progress=False), reference)
+
+
+def preemption_and_prefix_hits_keep_greedy_output(engine, reference) -> None:
+    """Prompts sharing a prefix, in an engine with too few pages: preemptions, prefix hits and accepted proposals
+    all happen, and every output is the dense reference's; every page is free at the end."""
     shared = repetitive_prompts(7, 1)[0][:48]
     prompts = [shared + p[:40] for p in repetitive_prompts(8, 6)] + repetitive_prompts(9, 4)
     requests = [(f"p{i}", p, greedy(24)) for i, p in enumerate(prompts)]
@@ -76,13 +81,19 @@ def spec_engine(model):
 
 
 def test_random_aborts_with_speculation_free_every_page(spec_engine):
-    engine, rng = spec_engine, random.Random(1)
-    prompts = repetitive_prompts(10, 12) + mixed_prompts(11, 12, 200)
+    random_aborts_free_every_page(spec_engine, seed=1)
+
+
+def random_aborts_free_every_page(engine, seed: int) -> None:
+    """Random arrivals, aborts, n = 2, stop tokens and sampled rows against a speculating engine: every page is
+    free at the end, nothing is left in the scheduler or the output processor."""
+    rng = random.Random(seed)
+    prompts = repetitive_prompts(10 * seed, 12) + mixed_prompts(10 * seed + 1, 12, 200)
     rng.shuffle(prompts)
     live = []
     for step in range(300):
         if prompts and rng.random() < 0.5:
-            request_id = f"a{step}"
+            request_id = f"a{seed}-{step}"
             params = SamplingParams(n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 30), ignore_eos=True,
                                     temperature=rng.choice([0.0, 0.7]), stop_token_ids=(rng.randrange(512),))
             engine.add_request(request_id, prompts.pop(), params)
@@ -116,20 +127,29 @@ def test_logprobs_are_the_targets(spec_engine, model):
 
 
 def test_seeded_sampling_with_speculation_ignores_batch_composition(spec_engine):
+    seeded_sampling_ignores_batch_composition(spec_engine)
+
+
+def seeded_sampling_ignores_batch_composition(engine) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
     prompt = repetitive_prompts(13, 1)[0]
-    alone = run_staggered(spec_engine, [("alone", prompt, params)])["alone"].outputs[0].token_ids
+    alone = run_staggered(engine, [("alone", prompt, params)])["alone"].outputs[0].token_ids
     crowd = [(f"c{i}", p, SamplingParams(temperature=1.0, max_tokens=8, seed=i, ignore_eos=True))
              for i, p in enumerate(repetitive_prompts(14, 4))]
-    crowded = run_staggered(spec_engine, crowd[:2] + [("crowded", prompt, params)] + crowd[2:])
+    crowded = run_staggered(engine, crowd[:2] + [("crowded", prompt, params)] + crowd[2:])
     assert crowded["crowded"].outputs[0].token_ids == alone
 
 
 def test_mixed_traffic_with_speculation_never_compiles(spec_engine):
+    mixed_traffic_never_compiles(spec_engine)
+
+
+def mixed_traffic_never_compiles(engine) -> None:
+    """Every kind of request after one warm-up request: no compile; every bucket shape (verify ones included)."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None)
-    run_staggered(spec_engine, [("warm", [1, 2, 3], greedy(2))])
+    run_staggered(engine, [("warm", [1, 2, 3], greedy(2))])
     before = len(compiles)
     prompts = repetitive_prompts(15, 8) + mixed_prompts(16, 8, 300)
     requests = [(f"m{i}", p, SamplingParams(n=1 + i % 2, temperature=i % 3 * 0.5, top_k=i % 4 * 10,
@@ -137,10 +157,10 @@ def test_mixed_traffic_with_speculation_never_compiles(spec_engine):
                                             repetition_penalty=1.2 if i % 5 == 0 else 1.0,
                                             prompt_logprobs=1 if i % 7 == 0 else None))
                 for i, p in enumerate(prompts)]
-    run_staggered(spec_engine, requests, per_step=2)
+    run_staggered(engine, requests, per_step=2)
     assert len(compiles) == before
-    shapes = spec_engine.core.buckets.shapes()
-    assert set(spec_engine.core.runner.executables) == set(shapes) and any(s.kind == "verify" for s in shapes)
+    shapes = engine.core.buckets.shapes()
+    assert set(engine.core.runner.executables) == set(shapes) and any(s.kind == "verify" for s in shapes)
 
 
 def test_bad_speculative_settings_are_refused(model):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +26,9 @@ from jaxserve.quant.memory import kv_bytes_per_token
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec.draft import check_draft_tokenizer
 from test_engine import ENGINE, MODEL, greedy, mixed_prompts, model, reference, run_staggered  # noqa: F401
-from test_spec_decode import DEMO, FAMILIES, FIXTURE_ENGINE, FIXTURES, outputs, repetitive_prompts
+from test_spec_decode import (DEMO, FAMILIES, FIXTURE_ENGINE, FIXTURES, mixed_traffic_never_compiles, outputs,
+                              preemption_and_prefix_hits_keep_greedy_output, random_aborts_free_every_page,
+                              repetitive_prompts, seeded_sampling_ignores_batch_composition)
 
 DEMO_DRAFT = DEMO.parent / "demo-draft"
 DRAFT_ENGINE = ENGINE.replace(prefill_token_buckets=(64,), context_buckets=(384,))  # 6 shapes to compile, not 24
@@ -100,67 +101,19 @@ def test_draft_greedy_with_preemption_and_prefix_hits(model, draft, reference):
     small = with_draft(ENGINE, 3, kv_cache_memory=60 * 8 * (2 * 2 * 2 * 16 + 2 * 1 * 2 * 16) * 4)  # 60 pages
     engine = LLMEngine(model, small, show_progress=False, draft=draft)
     assert engine.core.kv_plan.num_pages == 60
-    shared = repetitive_prompts(7, 1)[0][:48]
-    prompts = [shared + p[:40] for p in repetitive_prompts(8, 6)] + repetitive_prompts(9, 4)
-    requests = [(f"p{i}", p, greedy(24)) for i, p in enumerate(prompts)]
-    finals = run_staggered(engine, requests, per_step=10, on_step=engine.core.scheduler.check_invariants)
-    stats = engine.core.stats_snapshot()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_decode.num_accepted_tokens > 0
-    for request_id, prompt, params in requests:
-        assert finals[request_id].outputs[0].token_ids == reference(prompt, 24), request_id
-    assert engine.core.scheduler.allocator.num_used_pages == 0
+    preemption_and_prefix_hits_keep_greedy_output(engine, reference)
 
 
 def test_random_aborts_with_a_draft_free_every_page(draft_engine):
-    engine, rng = draft_engine, random.Random(2)
-    prompts = repetitive_prompts(20, 10) + mixed_prompts(21, 10, 200)
-    rng.shuffle(prompts)
-    live = []
-    for step in range(300):
-        if prompts and rng.random() < 0.5:
-            request_id = f"a{step}"
-            params = SamplingParams(n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 30), ignore_eos=True,
-                                    temperature=rng.choice([0.0, 0.7]), stop_token_ids=(rng.randrange(512),))
-            engine.add_request(request_id, prompts.pop(), params)
-            live.append(request_id)
-        if live and rng.random() < 0.2:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-        for output in engine.step():
-            for sample in output.outputs:
-                assert len(sample.token_ids) <= 30
-        engine.core.scheduler.check_invariants()
-        if not prompts and not engine.has_unfinished_requests():
-            break
-    engine.run_until_done()
-    engine.core.scheduler.check_invariants()
-    assert engine.core.scheduler.allocator.num_used_pages == 0
-    assert not engine.processor.states and not engine.core.scheduler.has_requests
-    assert engine.core.stats_snapshot().spec_decode.num_drafts > 0
+    random_aborts_free_every_page(draft_engine, seed=2)
 
 
 def test_seeded_sampling_with_a_draft_ignores_batch_composition(draft_engine):
-    params = SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
-    prompt = repetitive_prompts(13, 1)[0]
-    alone = run_staggered(draft_engine, [("alone", prompt, params)])["alone"].outputs[0].token_ids
-    crowd = [(f"c{i}", p, SamplingParams(temperature=1.0, max_tokens=8, seed=i, ignore_eos=True))
-             for i, p in enumerate(repetitive_prompts(14, 4))]
-    crowded = run_staggered(draft_engine, crowd[:2] + [("crowded", prompt, params)] + crowd[2:])
-    assert crowded["crowded"].outputs[0].token_ids == alone
+    seeded_sampling_ignores_batch_composition(draft_engine)
 
 
 def test_mixed_traffic_with_a_draft_never_compiles(draft_engine):
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None)
-    run_staggered(draft_engine, [("warm", [1, 2, 3], greedy(2))])
-    before = len(compiles)
-    prompts = repetitive_prompts(15, 6) + mixed_prompts(16, 6, 300)
-    requests = [(f"m{i}", p, SamplingParams(n=1 + i % 2, temperature=i % 3 * 0.5, top_k=i % 4 * 10,
-                                            max_tokens=1 + i % 9, ignore_eos=True, logprobs=i % 2 * 3,
-                                            prompt_logprobs=1 if i % 7 == 0 else None))
-                for i, p in enumerate(prompts)]
-    run_staggered(draft_engine, requests, per_step=2)
-    assert len(compiles) == before
+    mixed_traffic_never_compiles(draft_engine)
 
 
 def test_the_memory_plan_counts_the_drafts_pages(draft_engine, draft):

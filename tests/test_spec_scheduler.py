@@ -157,25 +157,33 @@ def test_stop_tokens_inside_an_accepted_run_end_the_sequence_there():
     assert seq.output_token_ids == expected[:expected.index(expected[6]) + 1] and seq.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_traffic_with_speculation_preemption_and_aborts(seed):
-    rng = random.Random(seed)
-    sched, dev = make(k=rng.choice([1, 3, 5]), num_pages=24, page_size=4, max_num_seqs=6, budget=24,
-                      max_model_len=64, proposer=OracleProposer(seed), disable=rng.choice([None, 3]))
+def random_traffic(sched, dev, rng, make_prompt, arrivals: float, aborts: float) -> dict:
+    """400 engine steps with random arrivals (n = 1 or 2, greedy) and aborts, then to the end; returns the
+    requests that were not aborted: id -> (prompt, sequences)."""
     expected, live, in_flight = {}, [], []
     for step in range(400):
-        if rng.random() < 0.3 and step < 300:
+        if rng.random() < arrivals and step < 300:
             rid = f"r{step}"
-            prompt = [rng.randint(1, 5) for _ in range(rng.randint(1, 30))]
+            prompt = make_prompt()
             params = SamplingParams(n=rng.choice([1, 1, 2]), temperature=0.0, max_tokens=rng.randint(1, 20))
             expected[rid] = (prompt, sched.add_request(rid, prompt, params))
             live.append(rid)
-        if live and rng.random() < 0.05:
+        if live and rng.random() < aborts:
             rid = live.pop(rng.randrange(len(live)))
             sched.abort_request(rid)
             expected.pop(rid)
         engine_step(sched, dev, in_flight)
     run(sched, dev, in_flight=in_flight)
+    return expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_with_speculation_preemption_and_aborts(seed):
+    rng = random.Random(seed)
+    sched, dev = make(k=rng.choice([1, 3, 5]), num_pages=24, page_size=4, max_num_seqs=6, budget=24,
+                      max_model_len=64, proposer=OracleProposer(seed), disable=rng.choice([None, 3]))
+    expected = random_traffic(sched, dev, rng, lambda: [rng.randint(1, 5) for _ in range(rng.randint(1, 30))],
+                              arrivals=0.3, aborts=0.05)
     assert sched.allocator.num_used_pages == 0 and sched.num_preemptions > 0
     assert sched.speculation.num_accepted_tokens > 0
     for prompt, seqs in expected.values():
@@ -227,20 +235,8 @@ def test_a_draft_proposes_only_over_a_whole_cache_of_its_own(seed):
     sched = Scheduler(config, PageAllocator(28, 4, True), eos_token_ids=(), proposer=DraftOracle(seed, spoil=0.3))
     dev = DraftFakeDevice(28, 4, config.num_slots)
     shared = [rng.randint(1, 5) for _ in range(12)]
-    expected, live, in_flight = {}, [], []
-    for step in range(400):
-        if rng.random() < 0.25 and step < 300:
-            rid = f"r{step}"
-            prompt = (shared[:rng.randint(0, 12)] + [rng.randint(1, 5) for _ in range(rng.randint(1, 16))])
-            params = SamplingParams(n=rng.choice([1, 1, 2]), temperature=0.0, max_tokens=rng.randint(1, 20))
-            expected[rid] = (prompt, sched.add_request(rid, prompt, params))
-            live.append(rid)
-        if live and rng.random() < 0.04:
-            rid = live.pop(rng.randrange(len(live)))
-            sched.abort_request(rid)
-            expected.pop(rid)
-        engine_step(sched, dev, in_flight)
-    run(sched, dev, in_flight=in_flight)
+    expected = random_traffic(sched, dev, rng, lambda: shared[:rng.randint(0, 12)] + [
+        rng.randint(1, 5) for _ in range(rng.randint(1, 16))], arrivals=0.25, aborts=0.04)
     assert sched.allocator.num_used_pages == 0
     assert dev.proposing_rows > 0 and sched.speculation.num_accepted_tokens > 0
     for prompt, seqs in expected.values():

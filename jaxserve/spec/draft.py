@@ -44,8 +44,6 @@ def check_draft_config(draft: ModelConfig, target: ModelConfig, max_model_len: i
     if draft.max_position_embeddings < max_model_len:
         raise ConfigError(f"{where} handles {draft.max_position_embeddings} positions, fewer than max_model_len "
                           f"{max_model_len}: lower --max-model-len or use a draft with a longer context")
-    if draft.num_experts:
-        raise ConfigError(f"{where} is a mixture-of-experts model; a draft model must be a dense decoder")
 
 
 def check_draft_tokenizer(draft, target, where: str) -> None:
