@@ -22,6 +22,9 @@ from test_engine import ENGINE, MODEL, greedy, mixed_prompts, model, reference, 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = sorted(p.parent.name for p in FIXTURES.glob("*/reference_logits.npz"))
 DEMO = Path(__file__).resolve().parents[1] / "checkpoints" / "demo"
+DEMO_TEXTS = ["def read_config(path):\n", "import os\nimport sys\n\n\ndef main():\n",  # prompts for the demo
+              "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def ",
+              "for i in range(10):\n    for j in range(10):\n        print(i, j)\n"]
 
 
 def ngram(config: EngineConfig, k: int = 3, **changes) -> EngineConfig:
@@ -207,11 +210,8 @@ def test_ngram_greedy_equals_plain_greedy_on_parity_fixtures(family, converted):
 def test_ngram_greedy_equals_plain_greedy_on_the_demo_model():
     from jaxserve.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(DEMO)
-    texts = ["def read_config(path):\n", "import os\nimport sys\n\n\ndef main():\n",
-             "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def ",
-             "for i in range(10):\n    for j in range(10):\n        print(i, j)\n"]
     config = FIXTURE_ENGINE.replace(max_model_len=256, context_buckets=(256,))
-    plain, speculative, spec = greedy_both_ways(DEMO, [tokenizer.encode(t) for t in texts], 64, config)
+    plain, speculative, spec = greedy_both_ways(DEMO, [tokenizer.encode(t) for t in DEMO_TEXTS], 64, config)
     assert speculative == plain
     assert spec.num_accepted_tokens > 0
 

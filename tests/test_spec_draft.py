@@ -26,8 +26,8 @@ from jaxserve.quant.memory import kv_bytes_per_token
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec.draft import check_draft_tokenizer
 from test_engine import ENGINE, MODEL, greedy, mixed_prompts, model, reference, run_staggered  # noqa: F401
-from test_spec_decode import (DEMO, FAMILIES, FIXTURE_ENGINE, FIXTURES, mixed_traffic_never_compiles, outputs,
-                              preemption_and_prefix_hits_keep_greedy_output, random_aborts_free_every_page,
+from test_spec_decode import (DEMO, DEMO_TEXTS, FAMILIES, FIXTURE_ENGINE, FIXTURES, mixed_traffic_never_compiles,
+                              outputs, preemption_and_prefix_hits_keep_greedy_output, random_aborts_free_every_page,
                               repetitive_prompts, seeded_sampling_ignores_batch_composition)
 
 DEMO_DRAFT = DEMO.parent / "demo-draft"
@@ -179,10 +179,7 @@ def test_the_demo_draft_gives_the_demo_models_greedy_output():
     """checkpoints/demo-draft, loaded by path (its tokenizer checked against the demo's), K = 1, 3, 5."""
     from jaxserve.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(DEMO)
-    texts = ["def read_config(path):\n", "import os\nimport sys\n\n\ndef main():\n",
-             "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def ",
-             "for i in range(10):\n    for j in range(10):\n        print(i, j)\n"]
-    requests = [(f"d{i}", tokenizer.encode(t), greedy(64)) for i, t in enumerate(texts)]
+    requests = [(f"d{i}", tokenizer.encode(t), greedy(64)) for i, t in enumerate(DEMO_TEXTS)]
     config = FIXTURE_ENGINE.replace(max_model_len=256, context_buckets=(256,))
     plain = outputs(run_staggered(LLMEngine.from_model_dir(DEMO, config, show_progress=False), requests), requests)
     for k in (1, 3, 5):
