@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
