@@ -13,6 +13,9 @@
              (the default --speculative-disable-batch-size comes from it)
     ngram    the n-gram proposer's host cost per proposal on a long history
 
+The draft is checkpoints/demo-draft, or the checkpoint in $JAXSERVE_DEMO_DRAFT (e.g. a random model of another
+shape, to price the draft's passes apart from its acceptance).
+
 Engines of a comparison live in one process and run interleaved (A, B, A, B, ...), so a noisy shared machine
 slows both alike; each row reports the median of the repeats.
 
@@ -162,11 +165,12 @@ def demo_engines(max_num_seqs: int, methods: list[tuple[str, int]]) -> dict[str,
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=256,
                           compilation_cache_dir="")
     engines = {"plain": LLMEngine(model, config, show_progress=False)}
+    tokenizer = load_tokenizer(DEMO)  # the draft's is checked against it
     for method, k in methods:
         draft = str(DEMO_DRAFT) if method == "draft" else None
         engines[f"{method}-K{k}"] = LLMEngine.from_core(EngineCore(
             model, config.replace(speculative_method=method, num_speculative_tokens=k, speculative_model=draft),
-            load_tokenizer(DEMO), show_progress=False))
+            tokenizer, show_progress=False))
     return engines
 
 

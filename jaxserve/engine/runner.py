@@ -570,11 +570,12 @@ class ModelRunner:
         if inputs.disallowed is None:
             inputs = dataclasses.replace(inputs, disallowed=self._no_constraint_mask(shape.seqs))
         extra = () if drafts is None else (drafts,)
-        if self.draft_graphdef is None:
-            self.kv, self.slots, sampled, prompt_lp = executable(self.params, self.kv, self.slots, inputs, *extra)
-        else:
-            self.kv, self.slots, sampled, prompt_lp, self.draft_kv = executable(
-                self.params, self.kv, self.slots, inputs, *extra, self.draft_params, self.draft_kv)
+        if self.draft_graphdef is not None:
+            extra += (self.draft_params, self.draft_kv)
+        self.kv, self.slots, sampled, prompt_lp, *draft_kv = executable(self.params, self.kv, self.slots, inputs,
+                                                                         *extra)
+        if draft_kv:
+            self.draft_kv, = draft_kv
         return sampled, prompt_lp if prompt_logprobs else None
 
     def _no_constraint_mask(self, seqs: int) -> jax.Array:

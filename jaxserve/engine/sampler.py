@@ -203,10 +203,18 @@ def _sample_random(logits, state: SlotState, slots, positions, use_filters, gree
     temperature = state.temperature[slots]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = jax.lax.cond(use_filters, _filter, lambda lg, *_: lg, scaled, state, slots)
-    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[slots], positions)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[1],), jnp.float32))(keys)
+    gumbel = _gumbel(_position_keys(state, slots, positions), logits.shape[1])
     drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _position_keys(state: SlotState, slots: jax.Array, positions: jax.Array) -> jax.Array:
+    """Each row's key for the token at its position: fold_in(PRNGKey(seed), position)."""
+    return jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[slots], positions)
+
+
+def _gumbel(keys: jax.Array, vocab: int) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
 def _filter(scaled, state: SlotState, slots):
@@ -290,8 +298,8 @@ def _verify_random(processed, state: SlotState, row_slots, positions, use_filter
     temperature = state.temperature[row_slots]
     scaled = processed / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = jax.lax.cond(use_filters, _filter, lambda lg, *_: lg, scaled, state, row_slots)
-    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slots], positions)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+    keys = _position_keys(state, row_slots, positions)
+    gumbel = _gumbel(keys, vocab)
     uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
     p = jax.nn.softmax(scaled, axis=-1)
     d, proposed = proposals.reshape(-1), has_draft.reshape(-1)
@@ -324,9 +332,8 @@ def sample_draft(logits: jax.Array, state: SlotState, slots: jax.Array, position
     def draw(logits):
         temperature = state.temperature[slots]
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), p), 2))(
-            state.seed[slots], positions)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[1],), jnp.float32))(keys)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_position_keys(state, slots, positions))
+        gumbel = _gumbel(keys, logits.shape[1])
         drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy), jax.nn.softmax(scaled, axis=-1)
 

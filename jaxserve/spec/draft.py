@@ -66,10 +66,9 @@ def check_draft_tokenizer(draft, target, where: str) -> None:
                           f"target's tokenizer")
 
 
-def load_draft(path: str | os.PathLike, target: ModelConfig, target_tokenizer, dtype: str, max_model_len: int,
-               sharding_for=None):
+def load_draft(path: str | os.PathLike, target: ModelConfig, target_tokenizer, dtype: str, max_model_len: int):
     """The draft checkpoint at `path`, checked against the target (config, and tokenizer when the target has
-    one), loaded in `dtype` into `sharding_for`'s shardings."""
+    one), loaded in `dtype` on the default device (the engine places it)."""
     from jaxserve.checkpoint import load_model
     from jaxserve.tokenizer import load_tokenizer
     where = f"the draft model {os.fspath(path)}"
@@ -84,4 +83,4 @@ def load_draft(path: str | os.PathLike, target: ModelConfig, target_tokenizer, d
         except FileNotFoundError as exc:
             raise ConfigError(f"{where} has no tokenizer to check against the target's: {exc}") from None
         check_draft_tokenizer(tokenizer, target_tokenizer, where)
-    return load_model(path, dtype=dtype, sharding_for=sharding_for)
+    return load_model(path, dtype=dtype)
