@@ -1,5 +1,5 @@
-// Weight-streaming matmul for few rows (decode steps) on the CPU backend, called from XLA through the FFI
-// (jaxserve/cpu/__init__.py).
+// Weight-streaming matmul for few rows (decode and verify steps) on the CPU backend, called from XLA through the
+// FFI (jaxserve/cpu/__init__.py).
 //
 // With a handful of rows a projection reads each weight once and does a few FLOPs per weight: its speed is the
 // rate the weights stream from memory. This kernel reads one layer's slice of a stacked [layers, K, N] weight in
@@ -11,16 +11,25 @@
 //   layer   int32 [1]       the slice of w to use
 //   out     [M, N]          float32
 //
-// Work is split over blocks of output columns. One row (M = 1): each block keeps its [block] float32 sums in L1
-// and walks K in steps of four rows, so every weight is loaded once and every sum is written once per four weight
-// rows. Several rows: each block converts 16 weight rows at a time into a float32 buffer in L1 (read from memory
-// once, whatever the weight type), then multiplies it into register tiles of up to 4 rows x 16 columns (explicit
-// 8-lane vectors) whose sums stay in registers over those 16 weight rows: each weight load feeds up to 4 rows'
-// multiply-adds, where the one-row loop would load (and convert) it again for every row.
+// How the weight is read. A core streams memory fastest along long contiguous runs (its prefetchers follow a few
+// dozen sequential streams, each within a 4 KB page). So the weight is cut into tasks of whole row runs:
+//
+//          n0        n0+nb                 a task: rows [k0, k1) x columns [n0, n0+nb), nb * sizeof(weight)
+//     k0   +---------+                     >= 4 KB (or the whole row); tasks split K too when there are fewer
+//          |  task   |  ... next column     column blocks than 2 x workers, each K split summing into its own
+//     k1   +---------+      block           [M, N] partial that one pass adds up at the end.
+//
+// Inside a task KR weight rows are walked together along N, 16 columns at a time: KR sequential streams, each
+// 16-column vector loaded and converted to float32 once and multiplied into every row of x; the rows' sums for
+// the task's columns stay in L1 ([M, nb] float32) and are read and written once per KR weight rows.
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -28,17 +37,132 @@ namespace {
 
 using namespace jaxserve_cpu;
 
-constexpr int64_t kBlock = 256;  // output columns per task: [M, 256] float32 sums (M <= 32: at most 32 KB)
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // one 512-bit register of float32
+#else
+constexpr int kLanes = 8;   // AVX2 (or whatever the compiler makes of 32-byte vectors)
+#endif
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t u16vec __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t u32vec __attribute__((vector_size(4 * kLanes)));
+
+inline fvec Load(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline fvec Load(const bf16_bits* p) {  // bfloat16 is float32's upper half
+  u16vec h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32vec bits = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline fvec Load(const int8_t* p) {  // GCC 12 widens int8 vector extensions element by element: intrinsics
+  fvec v;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof(v));
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof(v));
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return v;
+}
+inline void Store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Shape {
   int64_t m, k, n;
 };
 
-// out[:, n0:n0+nb] = acc [M, kBlock] (times the int8 weights' per-channel scales)
-inline void WriteBlock(const Shape& s, const float* acc, const float* scales, float* out, int64_t n0, int64_t nb) {
+// The task grid: column blocks of nb columns times k_splits row ranges.
+struct Grid {
+  int64_t nb, col_blocks, k_splits, k_per_split;
+};
+
+constexpr int64_t kRunBytes = 4096;    // a task's contiguous run per weight row, at least (a page)
+constexpr int64_t kAccFloats = 8192;   // its [M, nb] float32 sums, at most (32 KB: L1); >= 256 columns at M = 32
+constexpr int64_t kMinSplitRows = 64;  // rows per K split, at least
+
+Grid MakeGrid(const Shape& s, int64_t weight_bytes, int64_t workers) {
+  const int64_t nb = std::min(s.n, std::min(kRunBytes / weight_bytes, kAccFloats / s.m) / kLanes * kLanes);
+  const int64_t col_blocks = (s.n + nb - 1) / nb;
+  int64_t k_splits = std::max<int64_t>(1, (2 * workers + col_blocks - 1) / col_blocks);
+  k_splits = std::max<int64_t>(1, std::min(k_splits, s.k / kMinSplitRows));
+  const int64_t k_per_split = (s.k + k_splits - 1) / k_splits;
+  return {nb, col_blocks, (s.k + k_per_split - 1) / k_per_split, k_per_split};
+}
+
+// acc[r, j] += sum over i < KR of x[r, i] * w[i, j], for rows r < R and columns j < nb: one tile of R rows of x
+// against KR weight rows. x's values stay in registers, broadcast, for the whole walk along the columns; each
+// weight vector is loaded (and converted) once for the R rows.
+template <int R, int KR, typename WT>
+void Tile(const Shape& s, const float* __restrict x, const WT* __restrict w, int64_t nb, float* __restrict acc,
+          int64_t acc_stride) {
+  fvec xb[R][KR];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < KR; ++i) xb[r][i] = fvec{} + x[r * s.k + i];
+  }
+  int64_t j = 0;
+  for (; j + kLanes <= nb; j += kLanes) {
+    fvec wv[KR];
+    for (int i = 0; i < KR; ++i) wv[i] = Load(w + i * s.n + j);
+    for (int r = 0; r < R; ++r) {
+      fvec sum = Load(acc + r * acc_stride + j);
+      for (int i = 0; i < KR; ++i) sum += xb[r][i] * wv[i];
+      Store(acc + r * acc_stride + j, sum);
+    }
+  }
+  for (; j < nb; ++j) {  // the last columns when nb is not a multiple of the vector width
+    for (int r = 0; r < R; ++r) {
+      float sum = acc[r * acc_stride + j];
+      for (int i = 0; i < KR; ++i) sum += x[r * s.k + i] * ToFloat(w[i * s.n + j]);
+      acc[r * acc_stride + j] = sum;
+    }
+  }
+}
+
+// Every row of x against weight rows [k, k + KR): tiles of 4 rows, then the 1-3 left.
+template <int KR, typename WT>
+void Rows(const Shape& s, const float* x, const WT* w, int64_t k, int64_t nb, float* acc, int64_t acc_stride) {
+  int64_t m = 0;
+  for (; m + 4 <= s.m; m += 4) Tile<4, KR>(s, x + m * s.k + k, w + k * s.n, nb, acc + m * acc_stride, acc_stride);
+  const float* xm = x + m * s.k + k;
+  float* am = acc + m * acc_stride;
+  switch (s.m - m) {
+    case 3: Tile<3, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
+    case 2: Tile<2, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
+    case 1: Tile<1, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
+    default: break;
+  }
+}
+
+// acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1]. Few rows take 8 weight rows at a
+// time (fewer passes over acc), tiles of 4 rows take 4 (x's 16 broadcast values plus the tile fill the registers).
+template <typename WT>
+void Accumulate(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
+                float* acc, int64_t acc_stride) {
+  const int64_t nb = n1 - n0;
+  for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
+  const WT* wn = w + n0;
+  int64_t k = k0;
+  if (s.m <= 2) {
+    for (; k + 8 <= k1; k += 8) Rows<8>(s, x, wn, k, nb, acc, acc_stride);
+  } else {
+    for (; k + 4 <= k1; k += 4) Rows<4>(s, x, wn, k, nb, acc, acc_stride);
+  }
+  for (; k < k1; ++k) Rows<1>(s, x, wn, k, nb, acc, acc_stride);
+}
+
+// out[:, n0:n0+nb] = acc [M, nb] (row stride acc_stride), times the int8 weights' per-channel scales
+inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const float* scales, float* out, int64_t n0,
+                  int64_t nb) {
   for (int64_t m = 0; m < s.m; ++m) {
+    const float* a = acc + m * acc_stride;
     float* o = out + m * s.n + n0;
-    const float* a = acc + m * kBlock;
     if (scales != nullptr) {
       for (int64_t j = 0; j < nb; ++j) o[j] = a[j] * scales[n0 + j];
     } else {
@@ -48,111 +172,27 @@ inline void WriteBlock(const Shape& s, const float* acc, const float* scales, fl
 }
 
 template <typename WT>
-void ColumnBlock(const Shape& s, const float* __restrict x, const WT* __restrict w, const float* scales,
-                 float* __restrict out, int64_t n0) {
-  const int64_t nb = std::min(kBlock, s.n - n0);
-  alignas(64) float acc[32 * kBlock];
-  std::fill(acc, acc + s.m * kBlock, 0.0f);
-  int64_t k = 0;
-  for (; k + 4 <= s.k; k += 4) {
-    const WT* __restrict r0 = w + k * s.n + n0;
-    const WT* __restrict r1 = r0 + s.n;
-    const WT* __restrict r2 = r1 + s.n;
-    const WT* __restrict r3 = r2 + s.n;
-    for (int64_t m = 0; m < s.m; ++m) {
-      const float x0 = x[m * s.k + k], x1 = x[m * s.k + k + 1], x2 = x[m * s.k + k + 2], x3 = x[m * s.k + k + 3];
-      float* __restrict a = acc + m * kBlock;
-      for (int64_t j = 0; j < nb; ++j) {
-        a[j] += (x0 * ToFloat(r0[j]) + x1 * ToFloat(r1[j])) + (x2 * ToFloat(r2[j]) + x3 * ToFloat(r3[j]));
-      }
-    }
-  }
-  for (; k < s.k; ++k) {
-    const WT* __restrict r = w + k * s.n + n0;
-    for (int64_t m = 0; m < s.m; ++m) {
-      const float xv = x[m * s.k + k];
-      float* __restrict a = acc + m * kBlock;
-      for (int64_t j = 0; j < nb; ++j) a[j] += xv * ToFloat(r[j]);
-    }
-  }
-  WriteBlock(s, acc, scales, out, n0, nb);
-}
-
-constexpr int64_t kChunk = 16;  // weight rows per float32 buffer: [16, 256] = 16 KB
-constexpr int64_t kTile = 16;   // output columns per register tile: two 8-lane vectors
-
-typedef float v8f __attribute__((vector_size(32)));
-inline v8f Load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void Store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-
-// acc[r, j0:j0+16] += sum over i < kr of x[r, i] * buf[i, j0:j0+16], for R rows (x and acc at their first row)
-template <int R>
-inline void Tile(const float* __restrict x, int64_t x_stride, int64_t kr, const float* __restrict buf,
-                 float* __restrict acc, int64_t j0) {
-  v8f lo[R], hi[R];
-  for (int r = 0; r < R; ++r) {
-    lo[r] = Load8(acc + r * kBlock + j0);
-    hi[r] = Load8(acc + r * kBlock + j0 + 8);
-  }
-  for (int64_t i = 0; i < kr; ++i) {
-    const v8f w0 = Load8(buf + i * kBlock + j0), w1 = Load8(buf + i * kBlock + j0 + 8);
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * x_stride + i];
-      lo[r] += xv * w0;
-      hi[r] += xv * w1;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    Store8(acc + r * kBlock + j0, lo[r]);
-    Store8(acc + r * kBlock + j0 + 8, hi[r]);
-  }
-}
-
-template <int R>
-inline void Tiles(const Shape& s, const float* x, int64_t m0, int64_t k0, int64_t kr, const float* buf, float* acc,
-                  int64_t tiles) {
-  for (int64_t t = 0; t < tiles; ++t) Tile<R>(x + m0 * s.k + k0, s.k, kr, buf, acc + m0 * kBlock, t * kTile);
-}
-
-template <typename WT>
-void ColumnBlockRows(const Shape& s, const float* __restrict x, const WT* __restrict w, const float* scales,
-                     float* __restrict out, int64_t n0) {
-  const int64_t nb = std::min(kBlock, s.n - n0);
-  const int64_t tiles = (nb + kTile - 1) / kTile;
-  alignas(64) float acc[32 * kBlock];
-  alignas(64) float buf[kChunk * kBlock];
-  std::fill(acc, acc + s.m * kBlock, 0.0f);
-  if (nb < kBlock) std::fill(buf, buf + kChunk * kBlock, 0.0f);  // columns past n stay zero
-  for (int64_t k0 = 0; k0 < s.k; k0 += kChunk) {
-    const int64_t kr = std::min(kChunk, s.k - k0);
-    for (int64_t i = 0; i < kr; ++i) {
-      const WT* __restrict r = w + (k0 + i) * s.n + n0;
-      float* __restrict b = buf + i * kBlock;
-      for (int64_t j = 0; j < nb; ++j) b[j] = ToFloat(r[j]);
-    }
-    int64_t m0 = 0;
-    for (; m0 + 4 <= s.m; m0 += 4) Tiles<4>(s, x, m0, k0, kr, buf, acc, tiles);
-    switch (s.m - m0) {
-      case 3: Tiles<3>(s, x, m0, k0, kr, buf, acc, tiles); break;
-      case 2: Tiles<2>(s, x, m0, k0, kr, buf, acc, tiles); break;
-      case 1: Tiles<1>(s, x, m0, k0, kr, buf, acc, tiles); break;
-      default: break;
-    }
-  }
-  WriteBlock(s, acc, scales, out, n0, nb);
-}
-
-template <typename WT>
 void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
-  const int64_t blocks = (s.n + kBlock - 1) / kBlock;
-  if (s.m == 1) {
-    ParallelFor(pool, blocks, [&](int64_t block) { ColumnBlock(s, x, w, scales, out, block * kBlock); });
-  } else {
-    ParallelFor(pool, blocks, [&](int64_t block) { ColumnBlockRows(s, x, w, scales, out, block * kBlock); });
+  const Grid g = MakeGrid(s, sizeof(WT), pool.num_threads() + 1);
+  std::vector<float> partial(g.k_splits > 1 ? g.k_splits * s.m * s.n : 0);  // [k_splits, M, N]
+  ParallelFor(pool, g.col_blocks * g.k_splits, [&](int64_t task) {
+    const int64_t n0 = task % g.col_blocks * g.nb, nb = std::min(g.nb, s.n - n0);
+    const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split;
+    // acc rows kLanes apart from a multiple of 4 KB: rows at 4 KB strides would alias in L1 and stall the stores
+    const int64_t stride = g.nb + kLanes;
+    alignas(64) float acc[kAccFloats + 32 * kLanes];
+    Accumulate(s, x, w, k0, std::min(s.k, k0 + g.k_per_split), n0, n0 + nb, acc, stride);
+    if (g.k_splits == 1) {
+      Write(s, acc, stride, scales, out, n0, nb);
+    } else {
+      Write(s, acc, stride, nullptr, partial.data() + split * s.m * s.n, n0, nb);
+    }
+  });
+  if (g.k_splits == 1) return;
+  for (int64_t i = 0; i < s.m * s.n; ++i) {
+    float sum = partial[i];
+    for (int64_t split = 1; split < g.k_splits; ++split) sum += partial[split * s.m * s.n + i];
+    out[i] = scales != nullptr ? sum * scales[i % s.n] : sum;
   }
 }
 
@@ -169,7 +209,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (int8 && (scales.dimensions().size() != 2 || scales.dimensions()[1] != s.n)) {
     return ffi::Error::InvalidArgument("cpu matmul: int8 weights need scales [L, N]");
   }
-  std::vector<float> xf(s.m * s.k);  // rows in float32 once, not once per column block
+  std::vector<float> xf(s.m * s.k);  // rows in float32 once, not once per task
   if (x.element_type() == ffi::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
     std::copy(xp, xp + xf.size(), xf.begin());

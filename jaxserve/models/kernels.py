@@ -48,11 +48,10 @@ from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_pag
 
 ATTENTION_CHOICES = ("pallas", "cpu", "xla")
 MATMUL_CHOICES = ("pallas", "cpu", "xla")
-# rows up to which the CPU kernel beats XLA's dot, by stored weight type (quiet, 2-vCPU VM; bench/cpu_matmul.py for
-# the projections alone, then the small preset's decode step in one process, kernel vs XLA): float32 1.45x at one
-# row but only 1.23 / 1.00x at 2 / 4 rows alone and 0.96x for the whole step at batch 2 and 4, so one row; int8
-# 2.44 / 1.82 / 1.68x alone, decode step 1.85 / 1.36 / 1.23x at batch 1 / 2 / 4; bfloat16 2.48 / 1.94 / 1.46x alone
-CPU_MATMUL_ROWS = (("float32", 1), ("bfloat16", 4), ("int8", 4))
+# rows up to which the CPU kernel beats XLA's dot, by stored weight type: every row count it takes (bench/cpu_matmul.py,
+# the small preset's projections, 2-vCPU Sapphire Rapids VM: float32 1.8 / 1.6 / 1.5 / 1.4 / 1.3x at 1 / 4 / 8 / 16 /
+# 32 rows, int8 2.8 / 2.0 / 1.7 / 1.5 / 1.4x, bfloat16 1.7 / 1.5 / 1.3 / 1.3x at 1 / 4 / 8 / 16)
+CPU_MATMUL_ROWS = (("float32", cpu.MATMUL_MAX_ROWS), ("bfloat16", cpu.MATMUL_MAX_ROWS), ("int8", cpu.MATMUL_MAX_ROWS))
 
 
 @dataclasses.dataclass(frozen=True)
