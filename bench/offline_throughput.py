@@ -6,6 +6,8 @@ tokens (EOS ignored, greedy), all submitted at once. Reports output and total to
 and, measured in the same run, the bare weight matmuls of one decode step at that batch (the floor: every weight
 read once, no attention, no sampling, no host work; on a CPU also with one array per layer, see
 weight_matmul_floor), the ratio between the two, and the share of wall time the device sat idle waiting for the host.
+`decode_weight_gb_s` is the weight bytes one decode step must read over the mean step time, and
+`decode_weight_bw_vs_copy` (CPU) that over the copy bandwidth measured in the same run (bench/cpu_matmul.py).
 
     python bench/offline_throughput.py --preset small --batch-sizes 1 16 64
     python bench/offline_throughput.py --model checkpoints/demo --batch-sizes 8
@@ -44,6 +46,7 @@ from jaxserve.models import moe
 from jaxserve.models.linear import dense
 from jaxserve.models.llama import numpy_dtype, random_model
 from jaxserve.sampling_params import SamplingParams
+from cpu_matmul import copy_bandwidth  # bench/: numpy copy of 512 MB, read + write bytes counted
 from moe_grouped import emit, floor_fn, timed  # bench/: the MoE floor (each expert hit over exactly its tokens)
 
 PRESETS = {
@@ -177,6 +180,21 @@ def machine_ceilings(dtype) -> tuple[float, float]:
     return _CEILINGS["read"], _CEILINGS[key]
 
 
+def _values(leaf):
+    """A weight's array: a quantized weight's {"values", "scales", ...} has its values."""
+    return leaf["values"] if isinstance(leaf, dict) else leaf
+
+
+def _nbytes(leaf) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(leaf))
+
+
+def _elements(leaf, cfg: ModelConfig) -> int:
+    """The weight's element count (int4 values pack two in a byte)."""
+    packed = isinstance(leaf, dict) and (cfg.quantization or "").startswith("int4")
+    return _values(leaf).size * (2 if packed else 1)
+
+
 def hardware_floor(engine: LLMEngine, batch: int) -> dict:
     """A decode step's lower bound from this machine's measured ceilings: the weight bytes it must read over the
     read bandwidth, and its weight-matmul FLOPs over the matmul rate; the larger binds. For a MoE model the bytes
@@ -186,10 +204,11 @@ def hardware_floor(engine: LLMEngine, batch: int) -> dict:
     params = nnx.to_pure_dict(engine.core.runner.params)
     layers = params["layers"]
     expert_leaves = {name for name in layers if name.startswith("we_")}
-    dense_bytes = sum(leaf.nbytes for name, leaf in layers.items() if name not in expert_leaves)
-    dense_elems = sum(leaf.size for name, leaf in layers.items() if name not in expert_leaves and leaf.ndim > 2)
+    dense_bytes = sum(_nbytes(leaf) for name, leaf in layers.items() if name not in expert_leaves)
+    dense_elems = sum(_elements(leaf, cfg) for name, leaf in layers.items()
+                      if name not in expert_leaves and _values(leaf).ndim > 2)
     head = params.get("lm_head", params["embed"])
-    weight_bytes, flops = dense_bytes + head.nbytes, 2 * batch * (dense_elems + head.size)
+    weight_bytes, flops = dense_bytes + _nbytes(head), 2 * batch * (dense_elems + _elements(head, cfg))
     if expert_leaves:
         per_expert = sum(layers[name].nbytes for name in expert_leaves) // (cfg.num_layers * cfg.num_experts)
         per_expert_elems = sum(layers[name].size for name in expert_leaves) // (cfg.num_layers * cfg.num_experts)
@@ -198,9 +217,11 @@ def hardware_floor(engine: LLMEngine, batch: int) -> dict:
                                                   cfg.norm_topk_prob)[0]))) for i in range(cfg.num_layers)]
         weight_bytes += sum(hit) * per_expert
         flops += 2 * batch * cfg.num_layers * cfg.num_experts_per_tok * per_expert_elems
-    read_rate, flop_rate = machine_ceilings(head.dtype)
+    read_rate, flop_rate = machine_ceilings(params["embed"].dtype)
     bytes_s, flops_s = weight_bytes / read_rate, flops / flop_rate
+    copy_rate = copy_bandwidth() if jax.default_backend() == "cpu" else None
     return dict(floor_weight_bytes=int(weight_bytes), floor_flops=int(flops), read_gb_s=round(read_rate / 1e9, 2),
+                copy_gb_s=copy_rate and round(copy_rate / 1e9, 2),
                 matmul_gflop_s=round(flop_rate / 1e9, 1), hardware_floor_ms=round(max(bytes_s, flops_s) * 1e3, 3),
                 floor_bound="bytes" if bytes_s >= flops_s else "flops")
 
@@ -230,10 +251,21 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
                 decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
                 **hardware, decode_vs_hardware_floor=round(step_time * 1e3 / hardware["hardware_floor_ms"], 3),
+                **_achieved_bandwidth(hardware, step_time),
                 device_s=round(device_seconds, 3),
                 host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
                 attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def _achieved_bandwidth(hardware: dict, step_time: float) -> dict:
+    """The weight bytes a decode step must read over its mean time, and that as a fraction of the copy and read
+    bandwidths measured in the same run (copy: numpy's, read + write bytes counted; CPU only)."""
+    rate = hardware["floor_weight_bytes"] / step_time / 1e9
+    out = dict(decode_weight_gb_s=round(rate, 2), decode_weight_bw_vs_read=round(rate / hardware["read_gb_s"], 3))
+    if hardware["copy_gb_s"]:
+        out["decode_weight_bw_vs_copy"] = round(rate / hardware["copy_gb_s"], 3)
+    return out
 
 
 def _timed_run(engine: LLMEngine, prompts, params):
