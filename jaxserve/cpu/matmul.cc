@@ -157,6 +157,15 @@ void Accumulate(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t
   for (; k < k1; ++k) Rows<1>(s, x, wn, k, nb, acc, acc_stride);
 }
 
+// A float32 buffer of at least `size` of the calling thread's, kept from call to call: a heap allocation per call
+// (tens of KB, served from the main heap once jaxserve.host_memory turns mmap off) showed up in profiles.
+template <int Which>
+float* Scratch(int64_t size) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
 // out[:, n0:n0+nb] = acc [M, nb] (row stride acc_stride), times the int8 weights' per-channel scales
 inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const float* scales, float* out, int64_t n0,
                   int64_t nb) {
@@ -174,7 +183,7 @@ inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const fl
 template <typename WT>
 void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
   const Grid g = MakeGrid(s, sizeof(WT), pool.num_threads() + 1);
-  std::vector<float> partial(g.k_splits > 1 ? g.k_splits * s.m * s.n : 0);  // [k_splits, M, N]
+  float* partial = Scratch<1>(g.k_splits > 1 ? g.k_splits * s.m * s.n : 0);  // [k_splits, M, N]
   ParallelFor(pool, g.col_blocks * g.k_splits, [&](int64_t task) {
     const int64_t n0 = task % g.col_blocks * g.nb, nb = std::min(g.nb, s.n - n0);
     const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split;
@@ -185,7 +194,7 @@ void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, con
     if (g.k_splits == 1) {
       Write(s, acc, stride, scales, out, n0, nb);
     } else {
-      Write(s, acc, stride, nullptr, partial.data() + split * s.m * s.n, n0, nb);
+      Write(s, acc, stride, nullptr, partial + split * s.m * s.n, n0, nb);
     }
   });
   if (g.k_splits == 1) return;
@@ -209,13 +218,13 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (int8 && (scales.dimensions().size() != 2 || scales.dimensions()[1] != s.n)) {
     return ffi::Error::InvalidArgument("cpu matmul: int8 weights need scales [L, N]");
   }
-  std::vector<float> xf(s.m * s.k);  // rows in float32 once, not once per task
+  float* xf = Scratch<0>(s.m * s.k);  // rows in float32 once, not once per task
   if (x.element_type() == ffi::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
-    std::copy(xp, xp + xf.size(), xf.begin());
+    std::copy(xp, xp + s.m * s.k, xf);
   } else if (x.element_type() == ffi::BF16) {
     const bf16_bits* xp = static_cast<const bf16_bits*>(x.untyped_data());
-    for (size_t i = 0; i < xf.size(); ++i) xf[i] = ToFloat(xp[i]);
+    for (int64_t i = 0; i < s.m * s.k; ++i) xf[i] = ToFloat(xp[i]);
   } else {
     return ffi::Error::InvalidArgument("cpu matmul: x must be float32 or bfloat16");
   }
@@ -223,13 +232,13 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   float* o = out->typed_data();
   switch (w.element_type()) {
     case ffi::F32:
-      Run(pool, s, xf.data(), static_cast<const float*>(w.untyped_data()) + l * slice, nullptr, o);
+      Run(pool, s, xf, static_cast<const float*>(w.untyped_data()) + l * slice, nullptr, o);
       break;
     case ffi::BF16:
-      Run(pool, s, xf.data(), static_cast<const bf16_bits*>(w.untyped_data()) + l * slice, nullptr, o);
+      Run(pool, s, xf, static_cast<const bf16_bits*>(w.untyped_data()) + l * slice, nullptr, o);
       break;
     case ffi::S8:
-      Run(pool, s, xf.data(), static_cast<const int8_t*>(w.untyped_data()) + l * slice,
+      Run(pool, s, xf, static_cast<const int8_t*>(w.untyped_data()) + l * slice,
           scales.typed_data() + l * s.n, o);
       break;
     default:
