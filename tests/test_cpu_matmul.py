@@ -29,7 +29,7 @@ def rng(request):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (3, 130, 300), (32, 64, 257), (2, 5, 7)])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (3, 130, 300), (5, 768, 768), (9, 200, 1030), (32, 64, 257), (2, 5, 7)])
 def test_matches_the_einsum(rng, dtype, m, k, n):
     layers = 3
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)

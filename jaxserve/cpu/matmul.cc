@@ -15,12 +15,14 @@
 // dozen sequential streams, each within a 4 KB page). So the weight is cut into tasks of whole row runs:
 //
 //          n0        n0+nb                 a task: rows [k0, k1) x columns [n0, n0+nb), nb * sizeof(weight)
-//     k0   +---------+                     >= 4 KB (or the whole row); tasks split K too when there are fewer
-//          |  task   |  ... next column     column blocks than 2 x workers, each K split summing into its own
-//     k1   +---------+      block           [M, N] partial that one pass adds up at the end.
+//     k0   +---------+                     = 4 KB (the whole row if shorter, less if M rows of nb sums would
+//                                          not fit L1); tasks split K too when there are fewer
+//          |  task   |  ... next column     column blocks than threads, each K split summing into its own
+//     k1   +---------+      block           [M, N] partial that one pass adds up at the end. One task a thread
+//                                           streams best: more, shorter tasks measured up to 1.3x slower.
 //
-// Inside a task KR weight rows are walked together along N, 16 columns at a time: KR sequential streams, each
-// 16-column vector loaded and converted to float32 once and multiplied into every row of x; the rows' sums for
+// Inside a task KR weight rows are walked together along N, one vector of columns at a time (16 float32 with
+// AVX-512, 8 with AVX2): KR sequential streams, each vector loaded and converted to float32 once and multiplied into every row of x; the rows' sums for
 // the task's columns stay in L1 ([M, nb] float32) and are read and written once per KR weight rows.
 
 #include <cstdint>
@@ -90,7 +92,7 @@ constexpr int64_t kMinSplitRows = 64;  // rows per K split, at least
 Grid MakeGrid(const Shape& s, int64_t weight_bytes, int64_t workers) {
   const int64_t nb = std::min(s.n, std::min(kRunBytes / weight_bytes, kAccFloats / s.m) / kLanes * kLanes);
   const int64_t col_blocks = (s.n + nb - 1) / nb;
-  int64_t k_splits = std::max<int64_t>(1, (2 * workers + col_blocks - 1) / col_blocks);
+  int64_t k_splits = std::max<int64_t>(1, (workers + col_blocks - 1) / col_blocks);
   k_splits = std::max<int64_t>(1, std::min(k_splits, s.k / kMinSplitRows));
   const int64_t k_per_split = (s.k + k_splits - 1) / k_splits;
   return {nb, col_blocks, (s.k + k_per_split - 1) / k_per_split, k_per_split};
@@ -125,14 +127,18 @@ void Tile(const Shape& s, const float* __restrict x, const WT* __restrict w, int
   }
 }
 
-// Every row of x against weight rows [k, k + KR): tiles of 4 rows, then the 1-3 left.
+// Every row of x against weight rows [k, k + KR): tiles of 4 rows, the last one of up to 5 (a verify step's K + 1
+// = 5 rows in one pass over the weights; 5 rows x 4 broadcast values + 4 weight vectors + 5 sums fit the 32
+// registers of AVX-512).
 template <int KR, typename WT>
 void Rows(const Shape& s, const float* x, const WT* w, int64_t k, int64_t nb, float* acc, int64_t acc_stride) {
   int64_t m = 0;
-  for (; m + 4 <= s.m; m += 4) Tile<4, KR>(s, x + m * s.k + k, w + k * s.n, nb, acc + m * acc_stride, acc_stride);
+  for (; s.m - m > 5; m += 4) Tile<4, KR>(s, x + m * s.k + k, w + k * s.n, nb, acc + m * acc_stride, acc_stride);
   const float* xm = x + m * s.k + k;
   float* am = acc + m * acc_stride;
   switch (s.m - m) {
+    case 5: Tile<5, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
+    case 4: Tile<4, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
     case 3: Tile<3, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
     case 2: Tile<2, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
     case 1: Tile<1, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
@@ -141,7 +147,7 @@ void Rows(const Shape& s, const float* x, const WT* w, int64_t k, int64_t nb, fl
 }
 
 // acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1]. Few rows take 8 weight rows at a
-// time (fewer passes over acc), tiles of 4 rows take 4 (x's 16 broadcast values plus the tile fill the registers).
+// time (fewer passes over acc), tiles of 3-5 rows take 4 (x's broadcast values plus the tile fill the registers).
 template <typename WT>
 void Accumulate(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
                 float* acc, int64_t acc_stride) {
@@ -182,7 +188,7 @@ inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const fl
 
 template <typename WT>
 void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
-  const Grid g = MakeGrid(s, sizeof(WT), pool.num_threads() + 1);
+  const Grid g = MakeGrid(s, sizeof(WT), std::max<int64_t>(1, pool.num_threads()));
   float* partial = Scratch<1>(g.k_splits > 1 ? g.k_splits * s.m * s.n : 0);  // [k_splits, M, N]
   ParallelFor(pool, g.col_blocks * g.k_splits, [&](int64_t task) {
     const int64_t n0 = task % g.col_blocks * g.nb, nb = std::min(g.nb, s.n - n0);
