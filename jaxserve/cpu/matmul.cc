@@ -22,8 +22,9 @@
 //                                           streams best: more, shorter tasks measured up to 1.3x slower.
 //
 // Inside a task KR weight rows are walked together along N, one vector of columns at a time (16 float32 with
-// AVX-512, 8 with AVX2): KR sequential streams, each vector loaded and converted to float32 once and multiplied into every row of x; the rows' sums for
-// the task's columns stay in L1 ([M, nb] float32) and are read and written once per KR weight rows.
+// AVX-512, 8 with AVX2): KR sequential streams, each vector loaded and converted to float32 once and multiplied
+// into every row of x; the rows' sums for the task's columns stay in L1 ([M, nb] float32) and are read and written
+// once per KR weight rows.
 
 #include <cstdint>
 #include <cstring>

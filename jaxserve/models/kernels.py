@@ -49,8 +49,8 @@ from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_pag
 ATTENTION_CHOICES = ("pallas", "cpu", "xla")
 MATMUL_CHOICES = ("pallas", "cpu", "xla")
 # rows up to which the CPU kernel beats XLA's dot, by stored weight type: every row count it takes (bench/cpu_matmul.py,
-# the small preset's projections, 2-vCPU Sapphire Rapids VM: float32 1.8 / 1.6 / 1.5 / 1.4 / 1.3x at 1 / 4 / 8 / 16 /
-# 32 rows, int8 2.8 / 2.0 / 1.7 / 1.5 / 1.4x, bfloat16 1.7 / 1.5 / 1.3 / 1.3x at 1 / 4 / 8 / 16)
+# the small preset's projections, 2-vCPU Intel Xeon VM (AVX-512), XLA / kernel: float32 2.8 / 2.0 / 1.6x at 1 / 5 / 16
+# rows, int8 3.5 / 2.2 / 1.7x, bfloat16 1.7 / 1.5 / 1.3x at 1 / 4 / 16; float32 and int8 1.3-1.4x at 32 rows)
 CPU_MATMUL_ROWS = (("float32", cpu.MATMUL_MAX_ROWS), ("bfloat16", cpu.MATMUL_MAX_ROWS), ("int8", cpu.MATMUL_MAX_ROWS))
 
 
