@@ -128,24 +128,37 @@ void Tile(const Shape& s, const float* __restrict x, const WT* __restrict w, int
   }
 }
 
-// Every row of x against weight rows [k, k + KR): tiles of 4 rows, the last one of up to 5 (a verify step's K + 1
-// = 5 rows in one pass over the weights; 5 rows x 4 broadcast values + 4 weight vectors + 5 sums fit the 32
-// registers of AVX-512).
+// One tile of R rows of x against weight rows [k0, k1), KR at a time, the last (k1 - k0) % KR one at a time.
+template <int R, int KR, typename WT>
+void TileRows(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t nb, float* acc,
+              int64_t acc_stride) {
+  int64_t k = k0;
+  for (; k + KR <= k1; k += KR) Tile<R, KR>(s, x + k, w + k * s.n, nb, acc, acc_stride);
+  for (; k < k1; ++k) Tile<R, 1>(s, x + k, w + k * s.n, nb, acc, acc_stride);
+}
+
+// Every row of x against weight rows [k0, k1): tiles of 4 rows, the last one of up to 5 (a verify step's K + 1 = 5
+// rows in one pass over the weights; 5 rows x 4 broadcast values + 4 weight vectors + 5 sums fit the 32 registers
+// of AVX-512). Each tile walks all the rows before the next starts: its sums stay in L1 meanwhile, and the rows
+// (a chunk of kChunkRows) come from L1/L2 again for the later tiles.
 template <int KR, typename WT>
-void Rows(const Shape& s, const float* x, const WT* w, int64_t k, int64_t nb, float* acc, int64_t acc_stride) {
+void Rows(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t nb, float* acc,
+          int64_t acc_stride) {
   int64_t m = 0;
-  for (; s.m - m > 5; m += 4) Tile<4, KR>(s, x + m * s.k + k, w + k * s.n, nb, acc + m * acc_stride, acc_stride);
-  const float* xm = x + m * s.k + k;
+  for (; s.m - m > 5; m += 4) TileRows<4, KR>(s, x + m * s.k, w, k0, k1, nb, acc + m * acc_stride, acc_stride);
+  const float* xm = x + m * s.k;
   float* am = acc + m * acc_stride;
   switch (s.m - m) {
-    case 5: Tile<5, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
-    case 4: Tile<4, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
-    case 3: Tile<3, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
-    case 2: Tile<2, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
-    case 1: Tile<1, KR>(s, xm, w + k * s.n, nb, am, acc_stride); break;
+    case 5: TileRows<5, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
+    case 4: TileRows<4, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
+    case 3: TileRows<3, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
+    case 2: TileRows<2, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
+    case 1: TileRows<1, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
     default: break;
   }
 }
+
+constexpr int64_t kChunkRows = 16;  // weight rows each tile of x walks before the next tile starts
 
 // acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1]. Few rows take 8 weight rows at a
 // time (fewer passes over acc), tiles of 3-5 rows take 4 (x's broadcast values plus the tile fill the registers).
@@ -155,13 +168,13 @@ void Accumulate(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t
   const int64_t nb = n1 - n0;
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
   const WT* wn = w + n0;
-  int64_t k = k0;
-  if (s.m <= 2) {
-    for (; k + 8 <= k1; k += 8) Rows<8>(s, x, wn, k, nb, acc, acc_stride);
-  } else {
-    for (; k + 4 <= k1; k += 4) Rows<4>(s, x, wn, k, nb, acc, acc_stride);
+  for (int64_t k = k0; k < k1; k += kChunkRows) {
+    if (s.m <= 2) {
+      Rows<8>(s, x, wn, k, std::min(k1, k + kChunkRows), nb, acc, acc_stride);
+    } else {
+      Rows<4>(s, x, wn, k, std::min(k1, k + kChunkRows), nb, acc, acc_stride);
+    }
   }
-  for (; k < k1; ++k) Rows<1>(s, x, wn, k, nb, acc, acc_stride);
 }
 
 // A float32 buffer of at least `size` of the calling thread's, kept from call to call: a heap allocation per call
