@@ -195,6 +195,15 @@ def _elements(leaf, cfg: ModelConfig) -> int:
     return _values(leaf).size * (2 if packed else 1)
 
 
+def machine_copy_bandwidth() -> float | None:
+    """Bytes/s numpy copies at (read + write counted), measured once per process; None off a CPU backend."""
+    if jax.default_backend() != "cpu":
+        return None
+    if "copy" not in _CEILINGS:
+        _CEILINGS["copy"] = copy_bandwidth()
+    return _CEILINGS["copy"]
+
+
 def hardware_floor(engine: LLMEngine, batch: int) -> dict:
     """A decode step's lower bound from this machine's measured ceilings: the weight bytes it must read over the
     read bandwidth, and its weight-matmul FLOPs over the matmul rate; the larger binds. For a MoE model the bytes
@@ -219,7 +228,7 @@ def hardware_floor(engine: LLMEngine, batch: int) -> dict:
         flops += 2 * batch * cfg.num_layers * cfg.num_experts_per_tok * per_expert_elems
     read_rate, flop_rate = machine_ceilings(params["embed"].dtype)
     bytes_s, flops_s = weight_bytes / read_rate, flops / flop_rate
-    copy_rate = copy_bandwidth() if jax.default_backend() == "cpu" else None
+    copy_rate = machine_copy_bandwidth()
     return dict(floor_weight_bytes=int(weight_bytes), floor_flops=int(flops), read_gb_s=round(read_rate / 1e9, 2),
                 copy_gb_s=copy_rate and round(copy_rate / 1e9, 2),
                 matmul_gflop_s=round(flop_rate / 1e9, 1), hardware_floor_ms=round(max(bytes_s, flops_s) * 1e3, 3),

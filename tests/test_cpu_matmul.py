@@ -29,7 +29,8 @@ def rng(request):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (3, 130, 300), (5, 768, 768), (9, 200, 1030), (32, 64, 257), (2, 5, 7)])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (3, 130, 300), (5, 768, 768), (9, 200, 1030), (32, 64, 257),
+                                   (2, 5, 7)])
 def test_matches_the_einsum(rng, dtype, m, k, n):
     layers = 3
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
@@ -72,7 +73,8 @@ def test_resolution():
         resolve_matmul("onednn")
     kernels = Kernels.resolve("xla", "cpu")
     for dtype in ("float32", "bfloat16", "int8"):  # up to the kernel's row limit for every weight type it reads
-        assert kernels.reads_stacked(cpu.MATMUL_MAX_ROWS, dtype) and not kernels.reads_stacked(cpu.MATMUL_MAX_ROWS + 1, dtype)
+        assert kernels.reads_stacked(cpu.MATMUL_MAX_ROWS, dtype)
+        assert not kernels.reads_stacked(cpu.MATMUL_MAX_ROWS + 1, dtype)
     assert not kernels.reads_stacked(1, "float16")
     assert not Kernels.resolve("xla", "xla").reads_stacked(1)
 

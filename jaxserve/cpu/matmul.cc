@@ -87,7 +87,8 @@ struct Grid {
 };
 
 constexpr int64_t kRunBytes = 4096;    // a task's contiguous run per weight row, at least (a page)
-constexpr int64_t kAccFloats = 8192;   // its [M, nb] float32 sums, at most (32 KB: L1); >= 256 columns at M = 32
+constexpr int64_t kMaxRows = 32;       // rows of x, at most (jaxserve.cpu.MATMUL_MAX_ROWS)
+constexpr int64_t kAccFloats = 8192;   // a task's [M, nb] float32 sums, at most (32 KB: L1); >= 256 columns at M = 32
 constexpr int64_t kMinSplitRows = 64;  // rows per K split, at least
 
 Grid MakeGrid(const Shape& s, int64_t weight_bytes, int64_t workers) {
@@ -209,7 +210,7 @@ void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, con
     const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split;
     // acc rows kLanes apart from a multiple of 4 KB: rows at 4 KB strides would alias in L1 and stall the stores
     const int64_t stride = g.nb + kLanes;
-    alignas(64) float acc[kAccFloats + 32 * kLanes];
+    alignas(64) float acc[kAccFloats + kMaxRows * kLanes];
     Accumulate(s, x, w, k0, std::min(s.k, k0 + g.k_per_split), n0, n0 + nb, acc, stride);
     if (g.k_splits == 1) {
       Write(s, acc, stride, scales, out, n0, nb);
@@ -233,19 +234,20 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   }
   const Shape s{xd[0], xd[1], wd[2]};
   const int64_t l = layer.typed_data()[0];
-  if (s.m > 32 || l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu matmul: M > 32 or layer out of range");
+  if (s.m > kMaxRows || l < 0 || l >= wd[0]) {
+    return ffi::Error::InvalidArgument("cpu matmul: M > 32 or layer out of range");
+  }
   const bool int8 = w.element_type() == ffi::S8;
   if (int8 && (scales.dimensions().size() != 2 || scales.dimensions()[1] != s.n)) {
     return ffi::Error::InvalidArgument("cpu matmul: int8 weights need scales [L, N]");
   }
-  float* xf = Scratch<0>(s.m * s.k);  // rows in float32 once, not once per task
-  if (x.element_type() == ffi::F32) {
-    const float* xp = static_cast<const float*>(x.untyped_data());
-    std::copy(xp, xp + s.m * s.k, xf);
-  } else if (x.element_type() == ffi::BF16) {
+  const float* xf = static_cast<const float*>(x.untyped_data());  // float32 rows are read where they are
+  if (x.element_type() == ffi::BF16) {  // bfloat16 rows in float32 once, not once per task
     const bf16_bits* xp = static_cast<const bf16_bits*>(x.untyped_data());
-    for (int64_t i = 0; i < s.m * s.k; ++i) xf[i] = ToFloat(xp[i]);
-  } else {
+    float* converted = Scratch<0>(s.m * s.k);
+    for (int64_t i = 0; i < s.m * s.k; ++i) converted[i] = ToFloat(xp[i]);
+    xf = converted;
+  } else if (x.element_type() != ffi::F32) {
     return ffi::Error::InvalidArgument("cpu matmul: x must be float32 or bfloat16");
   }
   const int64_t slice = s.k * s.n;

@@ -48,10 +48,11 @@ from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_pag
 
 ATTENTION_CHOICES = ("pallas", "cpu", "xla")
 MATMUL_CHOICES = ("pallas", "cpu", "xla")
-# rows up to which the CPU kernel beats XLA's dot, by stored weight type: every row count it takes (bench/cpu_matmul.py,
-# the small preset's projections, 2-vCPU Intel Xeon VM (AVX-512), XLA / kernel: float32 2.8 / 2.0 / 1.6x at 1 / 5 / 16
-# rows, int8 3.5 / 2.2 / 1.7x, bfloat16 1.7 / 1.5 / 1.3x at 1 / 4 / 16; float32 and int8 1.3-1.4x at 32 rows)
-CPU_MATMUL_ROWS = (("float32", cpu.MATMUL_MAX_ROWS), ("bfloat16", cpu.MATMUL_MAX_ROWS), ("int8", cpu.MATMUL_MAX_ROWS))
+# the weight types the CPU kernel reads in place, each up to its row limit (cpu.MATMUL_MAX_ROWS), where it beats XLA's
+# dot at every row count (bench/cpu_matmul.py, the small preset's projections, 2-vCPU Intel Xeon VM with AVX-512,
+# XLA / kernel: float32 2.6-2.8 / 2.0-2.3 / 1.5-1.6x at 1 / 5 / 16 rows, int8 3.5 / 2.2 / 1.7x, bfloat16 2.7 / 1.9 /
+# 1.2x; float32 and int8 1.3-1.4x at 32 rows)
+CPU_MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,9 @@ class Kernels:
     matmul: Callable = dataclasses.field(repr=False)  # quantized weights only
     matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
     stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
-    # (weight dtype, rows): products of at most that many rows with such weights go to stacked_matmul
-    stacked_rows: tuple[tuple[str, int], ...] = ()
+    # products of at most stacked_rows rows with weights stored in one of stacked_dtypes go to stacked_matmul
+    stacked_rows: int = 0
+    stacked_dtypes: tuple[str, ...] = ()
     grouped_matmul: Callable = dataclasses.field(default=moe.grouped_matmul, repr=False)  # MoE experts
 
     @classmethod
@@ -77,13 +79,14 @@ class Kernels:
         stacked = matmul_name == "cpu"
         return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
                    matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmul if stacked else None,
-                   stacked_rows=CPU_MATMUL_ROWS if stacked else ())
+                   stacked_rows=cpu.MATMUL_MAX_ROWS if stacked else 0,
+                   stacked_dtypes=CPU_MATMUL_DTYPES if stacked else ())
 
     def reads_stacked(self, rows: int, weight_dtype="float32") -> bool:
         """Whether a product of `rows` rows with weights stored as `weight_dtype` runs on stacked_matmul (then the
         layer scan leaves those weights stacked)."""
-        limit = dict(self.stacked_rows).get(jnp.dtype(weight_dtype).name, 0)
-        return self.stacked_matmul is not None and rows <= limit
+        return (self.stacked_matmul is not None and rows <= self.stacked_rows
+                and jnp.dtype(weight_dtype).name in self.stacked_dtypes)
 
     def describe(self) -> str:
         return f"{self.attention_name} attention, {self.matmul_name} matmul"
