@@ -5,10 +5,12 @@ Why attention: XLA's attention path gathers each sequence's pages into a dense c
 whose memory bandwidth is a few GB/s per core, that copy costs more than the attention itself (at batch 64 and
 256-token contexts it doubled the small Llama's decode step). The kernel reads the pages where they are.
 
-Why the matmul: a decode step's projections read every weight once for a few rows, so they run at the speed
-weights stream from memory; XLA:CPU first copies each layer's slice out of the stacked [layers, ...] weight, and
-its dot streams below what this machine copies at. The kernel reads the layer's slice in place, float32, bfloat16
-or int8 (per-channel scales). Its reference is the einsum (jaxserve.models.linear).
+Why the matmul: a decode step's projections read every weight once for a few rows, so with one or two rows they
+run at the speed weights stream from memory, and up to a few dozen at the rate of multiply-adds over weights that
+stream once; XLA:CPU first copies each layer's slice out of the stacked [layers, ...] weight, and its dot streams
+below what this machine copies at. The kernel reads the layer's slice in place, float32, bfloat16 or int8
+(per-channel scales): streaming for one or two rows, register-blocked tiles for more. Its reference is the einsum
+(jaxserve.models.linear).
 
 The kernels are compiled on first use with the system's C++ compiler (`$CXX`, else c++) against the jaxlib FFI
 headers, for this machine's instruction set, into one library cached under the jaxserve cache directory keyed by
@@ -41,7 +43,7 @@ SOURCES = (HERE / "paged_attention.cc", HERE / "matmul.cc")
 HEADERS = (HERE / "common.h",)
 TARGET = "jaxserve_cpu_paged_attention"
 MATMUL_TARGET = "jaxserve_cpu_matmul"
-MATMUL_MAX_ROWS = 32  # the matmul kernel's limit: a decode step's rows; larger products are compute-bound (XLA)
+MATMUL_MAX_ROWS = 64  # the matmul kernel's limit: a decode step's rows; larger products (prefill) go to XLA's dot
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
 

@@ -1,9 +1,6 @@
-// Weight-streaming matmul for few rows (decode and verify steps) on the CPU backend, called from XLA through the
-// FFI (jaxserve/cpu/__init__.py).
-//
-// With a handful of rows a projection reads each weight once and does a few FLOPs per weight: its speed is the
-// rate the weights stream from memory. This kernel reads one layer's slice of a stacked [layers, K, N] weight in
-// place (XLA copies a dynamically indexed slice out before its dot) and streams it once for all rows.
+// Matmuls of a decode or verify step's few rows (at most 64) on the CPU backend, called from XLA through the FFI
+// (jaxserve/cpu/__init__.py). The kernel reads one layer's slice of a stacked [layers, K, N] weight in place (XLA
+// copies a dynamically indexed slice out before its dot).
 //
 //   x       [M, K]          float32 | bfloat16
 //   w       [L, K, N]       float32 | bfloat16 | int8          (row-major: K rows of N outputs)
@@ -11,20 +8,22 @@
 //   layer   int32 [1]       the slice of w to use
 //   out     [M, N]          float32
 //
-// How the weight is read. A core streams memory fastest along long contiguous runs (its prefetchers follow a few
-// dozen sequential streams, each within a 4 KB page). So the weight is cut into tasks of whole row runs:
+// Two paths, by what binds:
+// - One or two rows (streaming): a few FLOPs per weight, so the speed is the rate weights stream from memory. A
+//   core streams fastest along long contiguous runs (its prefetchers follow a few dozen sequential streams, each
+//   within a 4 KB page), so the weight is cut into tasks of whole row runs:
 //
 //          n0        n0+nb                 a task: rows [k0, k1) x columns [n0, n0+nb), nb * sizeof(weight)
-//     k0   +---------+                     = 4 KB (the whole row if shorter, less if M rows of nb sums would
-//                                          not fit L1); tasks split K too when there are fewer
-//          |  task   |  ... next column     column blocks than threads, each K split summing into its own
+//     k0   +---------+                     = 4 KB (the whole row if shorter); tasks split K too when there are
+//          |  task   |  ... next column     fewer column blocks than threads, each K split summing into its own
 //     k1   +---------+      block           [M, N] partial that one pass adds up at the end. One task a thread
 //                                           streams best: more, shorter tasks measured up to 1.3x slower.
 //
-// Inside a task KR weight rows are walked together along N, one vector of columns at a time (16 float32 with
-// AVX-512, 8 with AVX2): KR sequential streams, each vector loaded and converted to float32 once and multiplied
-// into every row of x; the rows' sums for the task's columns stay in L1 ([M, nb] float32) and are read and written
-// once per KR weight rows.
+//   Inside a task 8 weight rows are walked together along N, one vector of columns at a time (16 float32 with
+//   AVX-512, 8 with AVX2): 8 sequential streams, each vector loaded and converted to float32 once and multiplied
+//   into every row of x; the rows' sums for the task's columns stay in L1 and are read and written once per 8 rows.
+// - Three rows or more (register-blocked, below): the streaming path's sums, loaded and stored per weight vector
+//   and row, would bind; tiles of 8 rows x 3 vectors keep theirs in registers over 32 weight rows at a time.
 
 #include <cstdint>
 #include <cstring>
@@ -87,8 +86,9 @@ struct Grid {
 };
 
 constexpr int64_t kRunBytes = 4096;    // a task's contiguous run per weight row, at least (a page)
-constexpr int64_t kMaxRows = 32;       // rows of x, at most (jaxserve.cpu.MATMUL_MAX_ROWS)
-constexpr int64_t kAccFloats = 8192;   // a task's [M, nb] float32 sums, at most (32 KB: L1); >= 256 columns at M = 32
+constexpr int64_t kMaxRows = 64;       // rows of x, at most (jaxserve.cpu.MATMUL_MAX_ROWS)
+constexpr int64_t kMaxStreamedRows = 2;  // rows of x the streaming path takes; more take the register-blocked one
+constexpr int64_t kAccFloats = 8192;   // a task's [M, nb] float32 sums, at most (32 KB: L1)
 constexpr int64_t kMinSplitRows = 64;  // rows per K split, at least
 
 Grid MakeGrid(const Shape& s, int64_t weight_bytes, int64_t workers) {
@@ -138,31 +138,10 @@ void TileRows(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k
   for (; k < k1; ++k) Tile<R, 1>(s, x + k, w + k * s.n, nb, acc, acc_stride);
 }
 
-// Every row of x against weight rows [k0, k1): tiles of 4 rows, the last one of up to 5 (a verify step's K + 1 = 5
-// rows in one pass over the weights; 5 rows x 4 broadcast values + 4 weight vectors + 5 sums fit the 32 registers
-// of AVX-512). Each tile walks all the rows before the next starts: its sums stay in L1 meanwhile, and the rows
-// (a chunk of kChunkRows) come from L1/L2 again for the later tiles.
-template <int KR, typename WT>
-void Rows(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t nb, float* acc,
-          int64_t acc_stride) {
-  int64_t m = 0;
-  for (; s.m - m > 5; m += 4) TileRows<4, KR>(s, x + m * s.k, w, k0, k1, nb, acc + m * acc_stride, acc_stride);
-  const float* xm = x + m * s.k;
-  float* am = acc + m * acc_stride;
-  switch (s.m - m) {
-    case 5: TileRows<5, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
-    case 4: TileRows<4, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
-    case 3: TileRows<3, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
-    case 2: TileRows<2, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
-    case 1: TileRows<1, KR>(s, xm, w, k0, k1, nb, am, acc_stride); break;
-    default: break;
-  }
-}
+constexpr int64_t kChunkRows = 16;  // weight rows walked together before the sums are next written
 
-constexpr int64_t kChunkRows = 16;  // weight rows each tile of x walks before the next tile starts
-
-// acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1]. Few rows take 8 weight rows at a
-// time (fewer passes over acc), tiles of 3-5 rows take 4 (x's broadcast values plus the tile fill the registers).
+// acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1] for one or two rows of x, 8 weight rows
+// at a time (the last k1 - k0 mod 8 one at a time).
 template <typename WT>
 void Accumulate(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
                 float* acc, int64_t acc_stride) {
@@ -170,10 +149,11 @@ void Accumulate(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
   const WT* wn = w + n0;
   for (int64_t k = k0; k < k1; k += kChunkRows) {
-    if (s.m <= 2) {
-      Rows<8>(s, x, wn, k, std::min(k1, k + kChunkRows), nb, acc, acc_stride);
+    const int64_t k_end = std::min(k1, k + kChunkRows);
+    if (s.m == 2) {
+      TileRows<2, 8>(s, x, wn, k, k_end, nb, acc, acc_stride);
     } else {
-      Rows<4>(s, x, wn, k, std::min(k1, k + kChunkRows), nb, acc, acc_stride);
+      TileRows<1, 8>(s, x, wn, k, k_end, nb, acc, acc_stride);
     }
   }
 }
@@ -201,17 +181,209 @@ inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const fl
   }
 }
 
+// ---- Register-blocked path, 3+ rows ---------------------------------------------------------------------------
+//
+// From a few rows on, the streaming path above is bound by its sums' loads and stores (one per weight vector and
+// row), not by the weights. Here a tile of up to kMR rows x kNR vectors of columns keeps its sums in registers over
+// a band of kKC weight rows: per weight row, kNR weight vectors and kMR broadcast values of x feed kMR * kNR
+// multiply-adds (8 x 3 = 24 sums of the 32 AVX-512 registers), so multiply-adds bind, not loads. A task (a column
+// block, one per thread) walks its weight rows a band at a time and each band along its columns a panel of kNR
+// vectors at a time: the band's kKC row runs are kKC sequential streams, as in the streaming path, and each panel
+// (kKC x kNR vectors, 3 KB) comes from memory for the first tile of x and from L1 for the others. The sums go to
+// memory (L1/L2) once per band. x is packed once per call, tile by tile, row index fastest ([tile, K, kMR]), so a
+// tile's broadcast values are one pointer and constant offsets.
+
+constexpr int kMR = 8;         // rows of x per register tile
+constexpr int kNR = 3;         // vectors of columns per register tile
+constexpr int64_t kKC = 32;    // weight rows a band: a tile sums them in registers before writing its sums
+constexpr int64_t kBlockedAcc = 65536;  // a task's [M, nb] float32 sums, at most (256 KB: L2)
+
+inline fvec Broadcast(float v) {
+  fvec out;
+#if defined(__AVX512F__)
+  const __m512 b = _mm512_set1_ps(v);
+#elif defined(__AVX__)
+  const __m256 b = _mm256_set1_ps(v);
+#else
+  fvec b;
+  for (int i = 0; i < kLanes; ++i) b[i] = v;
+#endif
+  std::memcpy(&out, &b, sizeof(out));
+  return out;
+}
+
+// Rows of the next band a tile prefetches while it works: `rows` rows `stride` bytes apart from `first`, `bytes`
+// of each (the panel's width in weight bytes). The panel's tiles share them out, so the requests spread over the
+// band's work instead of queueing behind the first tile.
+struct Ahead {
+  const char* first;
+  int64_t stride, rows;
+  int bytes;
+};
+
+// acc[r, j * kLanes + l] += sum over k < kc of x[r, k] * w[k, j * kLanes + l] for r < MR, j < NR, with x packed
+// [k, kMR]; with kPack also pack[k, j * kLanes + l] = w[k, j * kLanes + l] in float32.
+template <int MR, int NR, bool kPack, typename WT>
+inline void MicroTile(const float* __restrict xp, const WT* __restrict w, int64_t w_stride, int64_t kc,
+                      const Ahead& ahead, float* __restrict pack, float* __restrict acc, int64_t acc_stride) {
+  fvec c[MR][NR];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NR; ++j) c[r][j] = Load(acc + r * acc_stride + j * kLanes);
+  }
+  for (int64_t k = 0; k < kc; ++k, w += w_stride, xp += kMR) {
+    if (k < ahead.rows) {
+      const char* p = ahead.first + k * ahead.stride;
+      for (int b = 0; b < ahead.bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    }
+    fvec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Load(w + j * kLanes);
+    if (kPack) {
+      for (int j = 0; j < NR; ++j) Store(pack + (k * NR + j) * kLanes, wv[j]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const fvec xb = Broadcast(xp[r]);
+      for (int j = 0; j < NR; ++j) c[r][j] += xb * wv[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NR; ++j) Store(acc + r * acc_stride + j * kLanes, c[r][j]);
+  }
+}
+
+// Every tile of x (kMR rows, the last one shorter) against one panel of NR vectors over kc weight rows from k. With
+// more than one tile, the first packs the panel (float32, contiguous) as it reads it and the others read the pack:
+// weight rows a multiple of 4 KB apart share L1 sets, so the panel itself would not stay in L1, and int8 or
+// bfloat16 weights are converted once. `next` is the same panel in the next band (null: none to prefetch).
+template <int NR, typename WT>
+void Panel(const Shape& s, const float* xp, int64_t k, const WT* w, int64_t kc, const WT* next, float* acc,
+           int64_t acc_stride) {
+  alignas(64) float pack[kKC * NR * kLanes];
+  const int64_t tiles = (s.m + kMR - 1) / kMR, share = next == nullptr ? 0 : (kKC + tiles - 1) / tiles;
+  const auto ahead = [&](int64_t tile) {
+    const int64_t first = std::min(kKC, tile * share);
+    return Ahead{reinterpret_cast<const char*>(next + first * s.n), static_cast<int64_t>(s.n * sizeof(WT)),
+                 std::min(kKC, first + share) - first, static_cast<int>(NR * kLanes * sizeof(WT))};
+  };
+  const float* x0 = xp + k * kMR;  // tile 0, row k
+  const Ahead a0 = ahead(0);
+#define JAXSERVE_TILE(R, PACK) MicroTile<R, NR, PACK>(x0, w, s.n, kc, a0, pack, acc, acc_stride)
+  switch (std::min<int64_t>(kMR, s.m)) {
+    case 8: s.m > kMR ? JAXSERVE_TILE(8, true) : JAXSERVE_TILE(8, false); break;
+    case 7: JAXSERVE_TILE(7, false); break;
+    case 6: JAXSERVE_TILE(6, false); break;
+    case 5: JAXSERVE_TILE(5, false); break;
+    case 4: JAXSERVE_TILE(4, false); break;
+    case 3: JAXSERVE_TILE(3, false); break;
+    case 2: JAXSERVE_TILE(2, false); break;
+    default: JAXSERVE_TILE(1, false); break;
+  }
+#undef JAXSERVE_TILE
+  constexpr int64_t stride = NR * kLanes;
+  for (int64_t m = kMR; m < s.m; m += kMR) {
+    const float* xt = xp + (m / kMR * s.k + k) * kMR;  // tile m / kMR, row k
+    float* am = acc + m * acc_stride;
+    const Ahead at = ahead(m / kMR);
+#define JAXSERVE_TILE(R) MicroTile<R, NR, false, float>(xt, pack, stride, kc, at, nullptr, am, acc_stride)
+    switch (std::min<int64_t>(kMR, s.m - m)) {
+      case 8: JAXSERVE_TILE(8); break;
+      case 7: JAXSERVE_TILE(7); break;
+      case 6: JAXSERVE_TILE(6); break;
+      case 5: JAXSERVE_TILE(5); break;
+      case 4: JAXSERVE_TILE(4); break;
+      case 3: JAXSERVE_TILE(3); break;
+      case 2: JAXSERVE_TILE(2); break;
+      default: JAXSERVE_TILE(1); break;
+    }
+#undef JAXSERVE_TILE
+  }
+}
+
+// x [M, K] packed tile by tile, row index fastest: xp[t, k, r] = x[t * kMR + r, k] (zeros past M).
+void PackRows(const Shape& s, const float* x, float* xp) {
+  for (int64_t t = 0; t * kMR < s.m; ++t) {
+    float* out = xp + t * s.k * kMR;
+    for (int64_t r = 0; r < kMR; ++r) {
+      const int64_t m = t * kMR + r;
+      if (m < s.m) {
+        for (int64_t k = 0; k < s.k; ++k) out[k * kMR + r] = x[m * s.k + k];
+      } else {
+        for (int64_t k = 0; k < s.k; ++k) out[k * kMR + r] = 0.0f;
+      }
+    }
+  }
+}
+
+// acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1], register-blocked; xp is x packed.
+template <typename WT>
+void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
+                       float* acc, int64_t acc_stride) {
+  const int64_t nb = n1 - n0;
+  for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
+  for (int64_t kb = k0; kb < k1; kb += kKC) {
+    const int64_t kc = std::min(kKC, k1 - kb);
+    const WT* wk = w + kb * s.n + n0;
+    // the next band, prefetched while this one is worked (none past the task's rows)
+    const bool prefetch = kb + 2 * kKC <= k1;
+    const int64_t ahead = kKC * s.n;
+    int64_t j = 0;
+    for (; j + kNR * kLanes <= nb; j += kNR * kLanes) {
+      Panel<kNR>(s, xp, kb, wk + j, kc, prefetch ? wk + j + ahead : nullptr, acc + j, acc_stride);
+    }
+    for (; j + kLanes <= nb; j += kLanes) {
+      Panel<1>(s, xp, kb, wk + j, kc, prefetch ? wk + j + ahead : nullptr, acc + j, acc_stride);
+    }
+    for (; j < nb; ++j) {  // the last columns when nb is not a multiple of the vector width
+      for (int64_t m = 0; m < s.m; ++m) {
+        const float* xr = xp + (m / kMR * s.k + kb) * kMR + m % kMR;
+        float sum = acc[m * acc_stride + j];
+        for (int64_t k = 0; k < kc; ++k) sum += xr[k * kMR] * ToFloat(wk[k * s.n + j]);
+        acc[m * acc_stride + j] = sum;
+      }
+    }
+  }
+}
+
+// The blocked path's task grid: one column block a thread (panels of kNR vectors spread evenly), more when a
+// block's sums would not fit kBlockedAcc, K splits when there are fewer column blocks than threads.
+Grid MakeBlockedGrid(const Shape& s, int64_t workers) {
+  constexpr int64_t panel = kNR * kLanes;
+  const int64_t max_nb = std::max<int64_t>(panel, kBlockedAcc / s.m / panel * panel);
+  int64_t blocks = std::max<int64_t>(workers, (s.n + max_nb - 1) / max_nb);
+  blocks = (blocks + workers - 1) / workers * workers;  // a multiple of the threads
+  int64_t nb = (s.n + blocks - 1) / blocks;
+  nb = std::min(max_nb, (nb + kLanes - 1) / kLanes * kLanes);
+  const int64_t col_blocks = (s.n + nb - 1) / nb;
+  int64_t k_splits = std::max<int64_t>(1, (workers + col_blocks - 1) / col_blocks);
+  k_splits = std::max<int64_t>(1, std::min(k_splits, s.k / kMinSplitRows));
+  const int64_t k_per_split = (s.k + k_splits - 1) / k_splits;
+  return {nb, col_blocks, (s.k + k_per_split - 1) / k_per_split, k_per_split};
+}
+
 template <typename WT>
 void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
-  const Grid g = MakeGrid(s, sizeof(WT), std::max<int64_t>(1, pool.num_threads()));
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const bool blocked = s.m > kMaxStreamedRows;
+  const Grid g = blocked ? MakeBlockedGrid(s, workers) : MakeGrid(s, sizeof(WT), workers);
+  float* xp = nullptr;
+  if (blocked) {
+    xp = Scratch<3>((s.m + kMR - 1) / kMR * kMR * s.k);
+    PackRows(s, x, xp);
+  }
   float* partial = Scratch<1>(g.k_splits > 1 ? g.k_splits * s.m * s.n : 0);  // [k_splits, M, N]
   ParallelFor(pool, g.col_blocks * g.k_splits, [&](int64_t task) {
     const int64_t n0 = task % g.col_blocks * g.nb, nb = std::min(g.nb, s.n - n0);
-    const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split;
+    const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split, k1 = std::min(s.k, k0 + g.k_per_split);
     // acc rows kLanes apart from a multiple of 4 KB: rows at 4 KB strides would alias in L1 and stall the stores
     const int64_t stride = g.nb + kLanes;
-    alignas(64) float acc[kAccFloats + kMaxRows * kLanes];
-    Accumulate(s, x, w, k0, std::min(s.k, k0 + g.k_per_split), n0, n0 + nb, acc, stride);
+    float* acc;
+    alignas(64) float local[kAccFloats + kMaxStreamedRows * kLanes];
+    if (blocked) {
+      acc = Scratch<2>(s.m * stride);
+      AccumulateBlocked(s, xp, w, k0, k1, n0, n0 + nb, acc, stride);
+    } else {
+      acc = local;
+      Accumulate(s, x, w, k0, k1, n0, n0 + nb, acc, stride);
+    }
     if (g.k_splits == 1) {
       Write(s, acc, stride, scales, out, n0, nb);
     } else {
@@ -235,7 +407,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   const Shape s{xd[0], xd[1], wd[2]};
   const int64_t l = layer.typed_data()[0];
   if (s.m > kMaxRows || l < 0 || l >= wd[0]) {
-    return ffi::Error::InvalidArgument("cpu matmul: M > 32 or layer out of range");
+    return ffi::Error::InvalidArgument("cpu matmul: M > 64 or layer out of range");
   }
   const bool int8 = w.element_type() == ffi::S8;
   if (int8 && (scales.dimensions().size() != 2 || scales.dimensions()[1] != s.n)) {

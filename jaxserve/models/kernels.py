@@ -50,8 +50,8 @@ ATTENTION_CHOICES = ("pallas", "cpu", "xla")
 MATMUL_CHOICES = ("pallas", "cpu", "xla")
 # the weight types the CPU kernel reads in place, each up to its row limit (cpu.MATMUL_MAX_ROWS), where it beats XLA's
 # dot at every row count (bench/cpu_matmul.py, the small preset's projections, 2-vCPU Intel Xeon VM with AVX-512,
-# XLA / kernel: float32 2.6-2.8 / 2.0-2.3 / 1.5-1.6x at 1 / 5 / 16 rows, int8 3.5 / 2.2 / 1.7x, bfloat16 2.7 / 1.9 /
-# 1.2x; float32 and int8 1.3-1.4x at 32 rows)
+# XLA / kernel: float32 2.6 / 2.3 / 2.4 / 2.2 / 1.3x at 1 / 5 / 16 / 32 / 64 rows, int8 4.7 / 4.0 / 2.7 / 2.4 / 1.3x,
+# bfloat16 2.4 / 2.6 / 2.7 / 2.2 / 1.3x)
 CPU_MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
