@@ -21,23 +21,127 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 namespace {
 
 using namespace jaxserve_cpu;
 
-// Dot product with independent partial sums, so the compiler vectorises it without reassociating floats freely.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t u16vec __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t u32vec __attribute__((vector_size(4 * kLanes)));
+
+inline fvec Load(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline fvec Load(const bf16_bits* p) {  // bfloat16 is float32's upper half
+  u16vec h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32vec bits = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline void Store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
+inline fvec Splat(float v) { return fvec{} + v; }
+inline float Sum(fvec v) {  // a tree of halvings, not a chain of kLanes dependent adds
+#if defined(__AVX512F__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof(x));
+  return _mm512_reduce_add_ps(x);
+#elif defined(__AVX__)
+  __m256 x;
+  std::memcpy(&x, &v, sizeof(x));
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+#else
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), lanewise: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, p the
+// degree-6 minimax polynomial of Cephes' expf (relative error about 2e-7); below -87 (where exp underflows float32's
+// normal range) the result is 0.
+inline fvec Exp(fvec x) {
+  const fvec lo = Splat(-87.0f);
+  const ivec under = x < lo;
+  x = under ? lo : x;
+  const fvec t = x * 1.44269504088896341f - 0.5f;  // x / ln 2, then rounded to nearest by truncating t - 0.5 <= 0
+  const ivec n = __builtin_convertvector(t, ivec);
+  const fvec nf = __builtin_convertvector(n, fvec);
+  const fvec r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // ln 2 in two parts
+  fvec p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec bits = (n + 127) << 23;
+  fvec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const fvec out = p * scale;
+  return under ? fvec{} : out;
+}
+
+inline float ExpScalar(float x) {
+  alignas(64) float v[kLanes] = {};
+  v[0] = x;
+  return Exp(Load(v))[0];
+}
+
+// row[j] = exp(row[j] - peak) for j < n; returns their sum
+inline float ExpRow(float* row, int64_t n, float peak) {
+  fvec total{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const fvec e = Exp(Load(row + j) - peak);
+    Store(row + j, e);
+    total += e;
+  }
+  float sum = Sum(total);
+  for (; j < n; ++j) {
+    row[j] = ExpScalar(row[j] - peak);
+    sum += row[j];
+  }
+  return sum;
+}
+
+// q . k over d values; q is float32, k the cache's type
 template <typename KT>
 inline float Dot(const float* q, const KT* k, int64_t d) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += q[i + j] * ToFloat(k[i + j]);
+  float sum = 0.0f;
+  if (d >= kLanes) {
+    fvec acc = Load(q) * Load(k);
+    for (i = kLanes; i + kLanes <= d; i += kLanes) acc += Load(q + i) * Load(k + i);
+    sum = Sum(acc);
   }
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < d; ++i) sum += q[i] * ToFloat(k[i]);
   return sum;
+}
+
+// a[i] += w * v[i] for i < d
+template <typename KT>
+inline void AddScaled(float* a, float w, const KT* v, int64_t d) {
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) Store(a + i, Load(a + i) + w * Load(v + i));
+  for (; i < d; ++i) a[i] += w * ToFloat(v[i]);
 }
 
 struct Problem {
@@ -51,10 +155,18 @@ struct Problem {
   std::vector<int32_t> seq_of_token;  // S for padding tokens
 };
 
-// One (token, kv head) pair: the `group` query heads that share the kv head, against the token's keys.
+constexpr int64_t kMaxGroup = 64;  // query heads per kv head, at most
+
+// A thread's buffers, kept from call to call (no allocation per task)
+struct Buffers {
+  std::vector<float> q, scores, acc;
+};
+
+// One (token, kv head) pair: the `group` query heads that share the kv head, against the token's keys. Each key and
+// value row is read once for the whole group.
 template <typename QT, typename KT>
 void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cache_v, QT* out, int64_t token,
-                 int64_t kv_head, std::vector<float>& scores, std::vector<float>& acc) {
+                 int64_t kv_head, Buffers& buf) {
   const int64_t group = p.num_heads / p.kv_heads, d = p.head_dim;
   const int64_t head0 = kv_head * group;
   QT* out_row = out + (token * p.num_heads + head0) * d;
@@ -66,41 +178,45 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   const int64_t pos = p.context_lens[s] - (p.query_start[s + 1] - token);
   const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
   const int64_t n = pos + 1 - first;
-  std::vector<float> qf(group * d);
+  buf.q.resize(group * d);
+  float* qf = buf.q.data();
   for (int64_t i = 0; i < group * d; ++i) qf[i] = ToFloat(q[(token * p.num_heads + head0) * d + i]) * p.scale;
-  scores.resize(group * n);
+  buf.scores.resize(group * n);
+  float* scores = buf.scores.data();
   const int32_t* table = p.block_tables + s * p.max_pages;
   const int64_t layer_head = (p.layer * p.kv_heads + kv_head) * p.num_pages;
+  const auto row = [&](const KT* cache, int64_t key) {
+    return cache + ((layer_head + table[key / p.page_size]) * p.page_size + key % p.page_size) * d;
+  };
+  // Pages are scattered, so the prefetchers lose the stream at each page's end: each key's row prefetches the row
+  // two pages on (the keys', then the values' first rows), so a page is in cache when its turn comes.
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KT));
+  const auto prefetch = [&](const KT* r) {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r) + b, 0, 3);
+  };
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t key = first + j;
-    const KT* k = cache_k + ((layer_head + table[key / p.page_size]) * p.page_size + key % p.page_size) * d;
-    for (int64_t g = 0; g < group; ++g) scores[g * n + j] = Dot(&qf[g * d], k, d);
+    const int64_t next = j + 2 * p.page_size;
+    prefetch(next < n ? row(cache_k, first + next) : row(cache_v, first + next - n));
+    const KT* k = row(cache_k, first + j);
+    for (int64_t g = 0; g < group; ++g) scores[g * n + j] = Dot(qf + g * d, k, d);
   }
   if (p.softcap > 0) {
     for (int64_t i = 0; i < group * n; ++i) scores[i] = p.softcap * std::tanh(scores[i] / p.softcap);
   }
-  acc.assign(group * d, 0.0f);
-  std::vector<float> total(group, 0.0f);
+  float inv_total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
-    float* row = &scores[g * n];
-    const float peak = *std::max_element(row, row + n);
-    for (int64_t j = 0; j < n; ++j) {
-      row[j] = std::exp(row[j] - peak);
-      total[g] += row[j];
-    }
+    float* r = scores + g * n;
+    inv_total[g] = 1.0f / ExpRow(r, n, *std::max_element(r, r + n));
   }
+  buf.acc.assign(group * d, 0.0f);
+  float* acc = buf.acc.data();
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t key = first + j;
-    const KT* v = cache_v + ((layer_head + table[key / p.page_size]) * p.page_size + key % p.page_size) * d;
-    for (int64_t g = 0; g < group; ++g) {
-      const float w = scores[g * n + j];
-      float* a = &acc[g * d];
-      for (int64_t i = 0; i < d; ++i) a[i] += w * ToFloat(v[i]);
-    }
+    if (j + 2 * p.page_size < n) prefetch(row(cache_v, first + j + 2 * p.page_size));
+    const KT* v = row(cache_v, first + j);
+    for (int64_t g = 0; g < group; ++g) AddScaled(acc + g * d, scores[g * n + j], v, d);
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / total[g];
-    for (int64_t i = 0; i < d; ++i) FromFloat(acc[g * d + i] * inv, &out_row[g * d + i]);
+    for (int64_t i = 0; i < d; ++i) FromFloat(acc[g * d + i] * inv_total[g], &out_row[g * d + i]);
   }
 }
 
@@ -108,9 +224,9 @@ template <typename QT, typename KT>
 void Run(ffi::ThreadPool& pool, Problem& p, const void* q, const void* k, const void* v, void* out) {
   const int64_t tasks = p.num_tokens * p.kv_heads;
   ParallelFor(pool, tasks, [&](int64_t i) {
-    thread_local std::vector<float> scores, acc;
+    thread_local Buffers buf;
     AttendToken<QT, KT>(p, static_cast<const QT*>(q), static_cast<const KT*>(k), static_cast<const KT*>(v),
-                        static_cast<QT*>(out), i / p.kv_heads, i % p.kv_heads, scores, acc);
+                        static_cast<QT*>(out), i / p.kv_heads, i % p.kv_heads, buf);
   });
 }
 
@@ -128,6 +244,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
             query_start.typed_data(), {}};
   if (p.num_heads % p.kv_heads != 0 || kd[4] != p.head_dim) {
     return ffi::Error::InvalidArgument("paged_attention: heads must be a multiple of kv_heads, head_dim equal");
+  }
+  if (p.num_heads / p.kv_heads > kMaxGroup) {
+    return ffi::Error::InvalidArgument("paged_attention: at most 64 query heads per kv head");
   }
   p.seq_of_token.assign(p.num_tokens, static_cast<int32_t>(p.num_seqs));
   for (int64_t s = 0; s < p.num_seqs; ++s) {
