@@ -328,6 +328,9 @@ def test_a_hung_step_trips_the_watchdog(model_dir, monkeypatch):
 
             outputs, waited = asyncio.run(stuck())
             assert "no engine step finished in 1 s" in outputs[-1].error and waited < 10
+            deadline = time.monotonic() + 30  # the watchdog fails the requests first, then tells the listeners
+            while not stopped and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert len(stopped) == 1 and isinstance(stopped[0], EngineHungError)
             assert not engine.is_alive and isinstance(engine.error, EngineHungError)
             with pytest.raises(EngineDeadError):
