@@ -63,6 +63,13 @@ async def run(engine, request_id: str, params: SamplingParams = SHORT, prompt="T
     return outputs
 
 
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Polls `condition` until it holds or `timeout` seconds pass (the caller asserts what it needs after)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def tokens_of(outputs) -> list[int]:
     return [t for output in outputs for t in output.outputs[0].token_ids]
 
@@ -287,16 +294,12 @@ def test_a_device_failure_rebuilds_the_engine_then_gives_up_when_no_restart_is_l
 
         victim = asyncio.run(fail_one())
         assert "injected device failure" in victim[-1].error
-        deadline = time.monotonic() + 300
-        while not (rebuilt and engine.is_alive) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: rebuilt and engine.is_alive, 300)
         assert engine.is_alive and engine.restarts_left == 0 and not stopped
         assert serves_normally(engine)
         victim = asyncio.run(fail_one())  # no restart left: the engine stops for good
         assert "injected device failure" in victim[-1].error
-        deadline = time.monotonic() + 30
-        while not stopped and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: stopped)
         assert len(stopped) == 1 and isinstance(stopped[0], jax.errors.JaxRuntimeError)
         assert not engine.is_alive
         with pytest.raises(EngineDeadError):
@@ -328,9 +331,7 @@ def test_a_hung_step_trips_the_watchdog(model_dir, monkeypatch):
 
             outputs, waited = asyncio.run(stuck())
             assert "no engine step finished in 1 s" in outputs[-1].error and waited < 10
-            deadline = time.monotonic() + 30  # the watchdog fails the requests first, then tells the listeners
-            while not stopped and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: stopped)  # the watchdog fails the requests first, then tells the listeners
             assert len(stopped) == 1 and isinstance(stopped[0], EngineHungError)
             assert not engine.is_alive and isinstance(engine.error, EngineHungError)
             with pytest.raises(EngineDeadError):
