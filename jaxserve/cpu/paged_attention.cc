@@ -99,13 +99,8 @@ inline fvec Exp(fvec x) {
   return under ? fvec{} : out;
 }
 
-inline float ExpScalar(float x) {
-  alignas(64) float v[kLanes] = {};
-  v[0] = x;
-  return Exp(Load(v))[0];
-}
-
-// row[j] = exp(row[j] - peak) for j < n; returns their sum
+// row[j] = exp(row[j] - peak) for j < n; returns their sum. The last n % kLanes in one vector too (padded with
+// -inf, whose exp is 0): a row of a prompt's token is short, and its tail one at a time cost as much as the rest.
 inline float ExpRow(float* row, int64_t n, float peak) {
   fvec total{};
   int64_t j = 0;
@@ -114,12 +109,32 @@ inline float ExpRow(float* row, int64_t n, float peak) {
     Store(row + j, e);
     total += e;
   }
-  float sum = Sum(total);
-  for (; j < n; ++j) {
-    row[j] = ExpScalar(row[j] - peak);
-    sum += row[j];
+  if (j < n) {
+    alignas(64) float tail[kLanes];
+    std::fill(tail, tail + kLanes, -INFINITY);
+    std::copy(row + j, row + n, tail);
+    const fvec e = Exp(Load(tail) - peak);
+    Store(tail, e);
+    std::copy(tail, tail + (n - j), row + j);
+    total += e;
   }
-  return sum;
+  return Sum(total);
+}
+
+// max(row[0..n)), n >= 1
+inline float MaxRow(const float* row, int64_t n) {
+  float peak = row[0];
+  int64_t j = 0;
+  if (n >= kLanes) {
+    fvec m = Load(row);
+    for (j = kLanes; j + kLanes <= n; j += kLanes) {
+      const fvec v = Load(row + j);
+      m = v > m ? v : m;
+    }
+    for (int i = 0; i < kLanes; ++i) peak = std::max(peak, m[i]);
+  }
+  for (; j < n; ++j) peak = std::max(peak, row[j]);
+  return peak;
 }
 
 // q . k over d values; q is float32, k the cache's type
@@ -143,6 +158,107 @@ inline void AddScaled(float* a, float w, const KT* v, int64_t d) {
   for (; i + kLanes <= d; i += kLanes) Store(a + i, Load(a + i) + w * Load(v + i));
   for (; i < d; ++i) a[i] += w * ToFloat(v[i]);
 }
+
+#if defined(__AVX512F__)
+constexpr int64_t kMaxBlockedDim = 256;  // head_dim the blocked paths take
+constexpr int64_t kHeadsInRegisters = 4;  // query heads whose value sums stay in registers together (4 x 4 vectors)
+
+inline __m512 AsM512(fvec v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof(x));
+  return x;
+}
+
+// {sum(v[0]), ..., sum(v[15])}: the 16 vectors' horizontal sums in one vector, by pairwise interleaves and adds
+// (45 operations, where 16 separate reductions take about 160).
+inline fvec Sums16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of keys 4i..4i+3
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // the four 128-bit lanes summed: lane i of the result holds keys 4i..4i+3
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+  fvec out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+// {q . keys[0], ..., q . keys[15]} over d values (a multiple of kLanes)
+template <typename KT>
+inline fvec Dots16(const float* q, const KT* const* keys, int64_t d) {
+  __m512 part[kLanes];
+  for (int i = 0; i < kLanes; ++i) part[i] = AsM512(Load(q) * Load(keys[i]));
+  for (int64_t c = kLanes; c < d; c += kLanes) {
+    const fvec qc = Load(q + c);
+    for (int i = 0; i < kLanes; ++i) part[i] = AsM512(fvec(part[i]) + qc * Load(keys[i] + c));
+  }
+  return Sums16(part);
+}
+
+// acc[h * d + c0 + i] += sum over keys j < n of weights[h * n + j] * row_of(j)[c0 + i], for H heads and V vectors
+// of columns from c0: the H x V sums stay in registers over all n keys; each value row is read once for the heads.
+// The walk prefetches the row `ahead` keys on (the next page's).
+template <int H, int V, typename RowOf>
+inline void WeightedRowsTile(const float* weights, int64_t n, RowOf row_of, int64_t c0, int64_t d, int64_t ahead,
+                             float* acc) {
+  fvec sum[H][V] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + ahead < n) {
+      const char* next = reinterpret_cast<const char*>(row_of(j + ahead) + c0);
+      for (int64_t b = 0; b < V * kLanes * static_cast<int64_t>(sizeof(*row_of(0))); b += 64) {
+        __builtin_prefetch(next + b, 0, 3);
+      }
+    }
+    const auto* v = row_of(j) + c0;
+    fvec vv[V];
+    for (int c = 0; c < V; ++c) vv[c] = Load(v + c * kLanes);
+    for (int h = 0; h < H; ++h) {
+      const fvec w = Splat(weights[h * n + j]);
+      for (int c = 0; c < V; ++c) sum[h][c] += w * vv[c];
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    for (int c = 0; c < V; ++c) {
+      float* a = acc + h * d + c0 + c * kLanes;
+      Store(a, Load(a) + sum[h][c]);
+    }
+  }
+}
+
+template <int H, typename RowOf>
+inline void WeightedRowsHeads(const float* weights, int64_t n, RowOf row_of, int64_t d, int64_t ahead, float* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 4 * kLanes) {
+    switch ((d - c0) / kLanes) {
+      case 1: WeightedRowsTile<H, 1>(weights, n, row_of, c0, d, ahead, acc); break;
+      case 2: WeightedRowsTile<H, 2>(weights, n, row_of, c0, d, ahead, acc); break;
+      case 3: WeightedRowsTile<H, 3>(weights, n, row_of, c0, d, ahead, acc); break;
+      default: WeightedRowsTile<H, 4>(weights, n, row_of, c0, d, ahead, acc); break;
+    }
+  }
+}
+
+// acc[h * d + i] += sum over keys j < n of weights[h * n + j] * row_of(j)[i] for h < heads (<= kHeadsInRegisters);
+// d a multiple of kLanes
+template <typename RowOf>
+inline void WeightedRows(const float* weights, int64_t n, int64_t heads, RowOf row_of, int64_t d, int64_t ahead,
+                         float* acc) {
+  switch (heads) {
+    case 1: WeightedRowsHeads<1>(weights, n, row_of, d, ahead, acc); break;
+    case 2: WeightedRowsHeads<2>(weights, n, row_of, d, ahead, acc); break;
+    case 3: WeightedRowsHeads<3>(weights, n, row_of, d, ahead, acc); break;
+    default: WeightedRowsHeads<4>(weights, n, row_of, d, ahead, acc); break;
+  }
+}
+#endif
 
 struct Problem {
   int64_t num_tokens, num_heads, head_dim, kv_heads, num_pages, page_size, num_seqs, max_pages, layer;
@@ -194,7 +310,21 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   const auto prefetch = [&](const KT* r) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r) + b, 0, 3);
   };
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if (d % kLanes == 0 && d <= kMaxBlockedDim) {  // 16 keys at a time, their 16 dots summed together
+    for (; j + kLanes <= n; j += kLanes) {
+      const KT* keys[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t next = j + i + 2 * p.page_size;
+        prefetch(next < n ? row(cache_k, first + next) : row(cache_v, first + next - n));
+        keys[i] = row(cache_k, first + j + i);
+      }
+      for (int64_t g = 0; g < group; ++g) Store(scores + g * n + j, Dots16(qf + g * d, keys, d));
+    }
+  }
+#endif
+  for (; j < n; ++j) {
     const int64_t next = j + 2 * p.page_size;
     prefetch(next < n ? row(cache_k, first + next) : row(cache_v, first + next - n));
     const KT* k = row(cache_k, first + j);
@@ -206,10 +336,18 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   float inv_total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float* r = scores + g * n;
-    inv_total[g] = 1.0f / ExpRow(r, n, *std::max_element(r, r + n));
+    inv_total[g] = 1.0f / ExpRow(r, n, MaxRow(r, n));
   }
   buf.acc.assign(group * d, 0.0f);
   float* acc = buf.acc.data();
+#if defined(__AVX512F__)
+  if (d % kLanes == 0 && d <= kMaxBlockedDim) {  // the value rows into sums held in registers, a few heads at once
+    for (int64_t g = 0; g < group; g += kHeadsInRegisters) {
+      WeightedRows(scores + g * n, n, std::min<int64_t>(kHeadsInRegisters, group - g),
+                   [&](int64_t key) { return row(cache_v, first + key); }, d, 2 * p.page_size, acc + g * d);
+    }
+  } else
+#endif
   for (int64_t j = 0; j < n; ++j) {
     if (j + 2 * p.page_size < n) prefetch(row(cache_v, first + j + 2 * p.page_size));
     const KT* v = row(cache_v, first + j);
