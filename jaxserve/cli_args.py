@@ -35,7 +35,7 @@ ENGINE_FLAG_HELP = {
     "enable_prefix_caching": "reuse the KV pages of prompt prefixes seen before",
     "decode_buckets": "decode batch-size ladder (default: powers of two up to --max-num-seqs)",
     "prefill_token_buckets": "prefill token-count ladder (default: powers of four from 16 up to "
-                             "--max-num-batched-tokens)",
+                             "--max-num-batched-tokens; with the CPU attention kernel powers of two from 64)",
     "prefill_seq_buckets": "prefill sequence-count ladder, each S paired with every token bucket T >= S (default: "
                            "one S = min(T, --max-num-seqs) per token bucket)",
     "context_buckets": "context-length ladder in tokens, rounded to pages (default: powers of four from 16 pages "
