@@ -9,8 +9,6 @@ of 16, float32 cache), one layer, interleaved in one process:
     python bench/cpu_attention.py [--rounds 20]
 """
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,20 +18,11 @@ from jaxserve import cpu
 from jaxserve.kv.cache import AttentionMetadata
 from jaxserve.models.attention import ragged_attention_xla
 from pallas_kernels.testing import PagedShape, ragged_problem
+from moe_grouped import timed  # bench/
 
 SHAPE = PagedShape(group=3, head_dim=64, page_size=16, kv_heads=4, layers=1)
 CASES = [("decode", 16, 1, 256), ("decode", 64, 1, 256), ("prefill", 16, 128, 128), ("verify", 1, 5, 256),
          ("verify", 16, 5, 256)]
-
-
-def timed(fn, rounds):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -52,8 +41,8 @@ def main():
         meta = AttentionMetadata.build(tables, lens, starts, seqs * query_len, SHAPE.page_size)
         xla = jax.jit(lambda q, ck, cv, layer, meta: ragged_attention_xla(q, ck, cv, layer, meta, scale=scale,
                                                                           sliding_window=None))
-        t_ours = timed(lambda: ours(q, ck, cv, layer, tables, lens, starts), args.rounds)
-        t_xla = timed(lambda: xla(q, ck, cv, layer, meta), args.rounds)
+        t_ours = timed(ours, q, ck, cv, layer, tables, lens, starts, repeats=args.rounds)
+        t_xla = timed(xla, q, ck, cv, layer, meta, repeats=args.rounds)
         print(f"{kind:8s} {seqs:3d} seqs x {query_len:3d} tokens, context {context}: kernel {t_ours * 1e3:7.3f} ms, "
               f"xla {t_xla * 1e3:7.3f} ms ({t_xla / t_ours:.1f}x)", flush=True)
 

@@ -6,8 +6,6 @@ process. The vocabulary is the `small` peers model's (32000).
 """
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +13,7 @@ import numpy as np
 
 from jaxserve.engine import sampler
 from jaxserve.engine.sampler import SamplingFlags, SlotState
+from moe_grouped import timed  # bench/
 
 
 def threefry_draw(logits, state, slots, positions):
@@ -24,16 +23,6 @@ def threefry_draw(logits, state, slots, positions):
     temperature = state.temperature[slots][:, None]
     drawn = jnp.argmax(logits / temperature + noise, axis=-1)
     return jnp.where(temperature[:, 0] > 0, drawn, jnp.argmax(logits, axis=-1))
-
-
-def timed(fn, args, rounds):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -49,10 +38,10 @@ def main():
         slots, positions = jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.full((rows,), 3, jnp.int32)
         for mode in ("greedy", "random"):
             flags = jnp.asarray((SamplingFlags.RANDOM if mode == "random" else SamplingFlags(0)).as_array())
-            ours = timed(jax.jit(sampler.sample), (logits, state, slots, positions, flags), args.rounds)
+            ours = timed(jax.jit(sampler.sample), logits, state, slots, positions, flags, repeats=args.rounds)
             line = f"rows {rows:3d} {mode:6s}: sample {ours * 1e3:6.2f} ms"
             if mode == "random":
-                before = timed(jax.jit(threefry_draw), (logits, state, slots, positions), args.rounds)
+                before = timed(jax.jit(threefry_draw), logits, state, slots, positions, repeats=args.rounds)
                 line += f", threefry draw {before * 1e3:6.2f} ms ({before / ours:.1f}x)"
             print(line, flush=True)
 
