@@ -189,12 +189,13 @@ inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const fl
 // multiply-adds (6 x 4 = 24 sums of the 32 AVX-512 registers), so multiply-adds bind, not loads. A task (a column
 // block, one per thread) walks its weight rows a band at a time and each band along its columns a panel of kNR
 // vectors at a time: the band's kKC row runs are kKC sequential streams, as in the streaming path, and each panel
-// (kKC x kNR vectors, 8 KB of float32) comes from memory for the first tile of x and from L1 for the others. The sums go to
-// memory (L1/L2) once per band. x is packed once per call, tile by tile, row index fastest ([tile, K, kMR]), so a
-// tile's broadcast values are one pointer and constant offsets.
+// (kKC x kNR vectors, 8 KB of float32) comes from memory for the first tile of x and from L1 for the others. The
+// sums go to memory (L1/L2) once per band. x is packed once per call, tile by tile, row index fastest ([tile, K,
+// kMR]), so a tile's broadcast values are one pointer and constant offsets.
 
 // 6 x 4 rather than 8 x 3: a tile alone in L1 measured 137 against 125 GFLOP/s a core (this Xeon, AVX-512), the
-// small preset's float32 projections at 5 / 16 / 64 rows 9 / 4 / 11% faster, int8 at 5 rows 1.35x (bench/cpu_matmul.py).
+// small preset's float32 projections at 5 / 16 / 64 rows 9 / 4 / 11% faster, int8 at 5 rows 1.35x
+// (bench/cpu_matmul.py).
 constexpr int64_t kMR = 6;     // rows of x per register tile
 constexpr int kNR = 4;         // vectors of columns per register tile
 constexpr int64_t kKC = 32;    // weight rows a band: a tile sums them in registers before writing its sums
