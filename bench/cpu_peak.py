@@ -1,25 +1,25 @@
 """How close a prefill step's matrix products come to this CPU's multiply-add peak.
 
-The peak: a loop of independent fused multiply-adds (12 chains, no loads), compiled here with the same compiler and
--march=native as jaxserve/cpu, run on every core at once, on 512-bit and on 256-bit vectors. The achieved rate:
-XLA's dot (what a prefill step runs) over the small preset's 12 layers of projections at M rows (bench/cpu_matmul.py's
-pass), in the same run. A prompt step's time is these products plus attention and norms, so prefill
-throughput, and a burst's time to first token, scale with the ratio printed last.
+The peak: a loop of independent fused multiply-adds (12 chains, no loads), compiled here with jaxserve/cpu's
+compiler and -march=native, run on every core at once, on 512-bit and on 256-bit vectors. The achieved rate: XLA's
+dot (what a prefill step runs) over the small preset's 12 layers of projections at M rows (bench/cpu_matmul.py's
+pass), in the same run. A prompt step's time is these products plus attention and norms, so prefill throughput,
+and a burst's time to first token, scale with the ratio printed last.
 
     python bench/cpu_peak.py [--rows 512 2048]
 """
 import argparse
 import os
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
 import cpu_matmul  # bench/
+from jaxserve import cpu
+from moe_grouped import timed  # bench/
 
 FMA_LOOP = r"""
 #include <immintrin.h>
@@ -63,7 +63,7 @@ def fma_peak() -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "fma.cc", Path(tmp) / "fma"
         src.write_text(FMA_LOOP)
-        subprocess.run(["g++", "-O2", "-march=native", "-o", str(exe), str(src)], check=True)
+        subprocess.run([cpu.compiler(), "-O2", "-march=native", "-o", str(exe), str(src)], check=True)
         procs = [subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True) for _ in range(os.cpu_count())]
         runs = [[float(v) for v in p.communicate()[0].split()] for p in procs]
     return sum(r[0] for r in runs), sum(r[1] for r in runs)
@@ -82,15 +82,9 @@ def main():
     per_row = 2 * cpu_matmul.LAYERS * sum(k * n for k, n in cpu_matmul.SHAPES.values())
     for m in args.rows:
         x = jnp.asarray(rng.standard_normal((m, cpu_matmul.E)), jnp.float32)
-        xla(x, weights).block_until_ready()
-        times = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            xla(x, weights).block_until_ready()
-            times.append(time.perf_counter() - start)
-        rate = per_row * m / statistics.median(times) / 1e9
-        print(f"XLA dot, {m} rows: {statistics.median(times) * 1e3:.1f} ms, {rate:.0f} GFLOP/s, "
-              f"{rate / peak:.2f} of peak")
+        seconds = timed(xla, x, weights, repeats=args.rounds)
+        rate = per_row * m / seconds / 1e9
+        print(f"XLA dot, {m} rows: {seconds * 1e3:.1f} ms, {rate:.0f} GFLOP/s, {rate / peak:.2f} of peak")
 
 
 if __name__ == "__main__":
