@@ -29,8 +29,9 @@ def rng(request):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (3, 130, 300), (5, 768, 768), (9, 200, 1030), (17, 100, 2050), (32, 64, 257), (64, 96, 200),
-                                   (2, 5, 7)])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (2, 5, 7), (3, 130, 300), (5, 768, 768), (9, 200, 1030),
+                                   (17, 100, 2050), (32, 64, 257), (64, 96, 200),  # streaming and register-blocked
+                                   (65, 40, 24), (97, 1000, 70), (131, 800, 1100), (200, 384, 512)])  # cache-blocked
 def test_matches_the_einsum(rng, dtype, m, k, n):
     layers = 3
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
@@ -60,8 +61,6 @@ def test_refuses_what_it_cannot_do(rng):
     w = jnp.zeros((1, 8, 8), jnp.int8)
     with pytest.raises(ValueError, match="scales"):
         cpu.matmul(jnp.zeros((1, 8)), w, 0)
-    with pytest.raises(ValueError, match=f"at most {cpu.MATMUL_MAX_ROWS} rows"):
-        cpu.matmul(jnp.zeros((cpu.MATMUL_MAX_ROWS + 1, 8)), jnp.zeros((8, 8)), 0)
 
 
 def test_resolution():
@@ -72,11 +71,10 @@ def test_resolution():
     with pytest.raises(ValueError, match="auto, pallas, cpu or xla"):
         resolve_matmul("onednn")
     kernels = Kernels.resolve("xla", "cpu")
-    for dtype in ("float32", "bfloat16", "int8"):  # up to the kernel's row limit for every weight type it reads
-        assert kernels.reads_stacked(cpu.MATMUL_MAX_ROWS, dtype)
-        assert not kernels.reads_stacked(cpu.MATMUL_MAX_ROWS + 1, dtype)
-    assert not kernels.reads_stacked(1, "float16")
-    assert not Kernels.resolve("xla", "xla").reads_stacked(1)
+    for dtype in ("float32", "bfloat16", "int8"):  # every weight type it reads
+        assert kernels.reads_stacked(dtype)
+    assert not kernels.reads_stacked("float16")
+    assert not Kernels.resolve("xla", "xla").reads_stacked("float32")
 
 
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
@@ -86,14 +84,14 @@ TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=pytest.mark.slow),  # ~45 s each on a
                                           pytest.param("int4", marks=pytest.mark.slow)])  # 2-core CPU: make test-slow
 def test_engine_generates_what_xla_does(quantization):
-    """Greedy, one sequence and four at once (decode steps within the kernel's row limit take it), same tokens."""
+    """Greedy, one sequence and four at once, same tokens; the long prompt's steps take the cache-blocked path."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
-    prompts = [[5, 9, 13, 40, 2], [7, 7, 8], [100, 101, 102, 103], [3]]
+    prompts = [[5, 9, 13, 40, 2], [7, 7, 8], [100, 101, 102, 103], [3], [(7 * i) % 290 + 3 for i in range(90)]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = {}
     for matmul in ("cpu", "xla"):
         engine = LLMEngine(random_model(cfg, jnp.float32, seed=3),
-                           EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, matmul=matmul,
+                           EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, matmul=matmul,
                                         xla_optimization_level=0), show_progress=False)
         assert engine.core.kernels.matmul_name == matmul
         llm = LLM(engine=engine, show_progress=False)
@@ -104,17 +102,21 @@ def test_engine_generates_what_xla_does(quantization):
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_decode_step_reads_weights_in_place(quantization):
-    """Up to the kernel's row limit every projection goes through it, and the LM head too (float32, unquantized
-    in both models): no weight slice is copied out; past it, XLA."""
+def test_every_step_reads_weights_in_place(quantization):
+    """Decode and prompt steps alike: every projection goes through the kernel, and the LM head too (float32,
+    unquantized in both models), so no weight slice is copied out and no XLA dot is left; with matmul=xla there
+    are XLA dots (what this test looks for is there to find)."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
-    engine = LLMEngine(random_model(cfg, jnp.float32), EngineConfig(max_num_seqs=2 * cpu.MATMUL_MAX_ROWS,
-                                                                     max_num_batched_tokens=2 * cpu.MATMUL_MAX_ROWS,
-                                                                     max_model_len=64, matmul="cpu"),
-                       show_progress=False)
-    runner = engine.core.runner
-    texts = {shape.seqs: runner._lower_step(shape).as_text() for shape in runner.buckets.shapes()
-             if shape.kind == "decode"}
-    assert {1, cpu.MATMUL_MAX_ROWS, 2 * cpu.MATMUL_MAX_ROWS} <= set(texts)
-    for rows, text in texts.items():  # q k v o gate up down in the scan body + the LM head
-        assert text.count(cpu.MATMUL_TARGET) == (8 if rows <= cpu.MATMUL_MAX_ROWS else 0), rows
+    texts = {}
+    for matmul in ("cpu", "xla"):
+        config = EngineConfig(max_num_seqs=128, max_num_batched_tokens=128, max_model_len=64, matmul=matmul,
+                              decode_buckets=(1, 128), prefill_token_buckets=(16, 128), xla_optimization_level=0)
+        runner = LLMEngine(random_model(cfg, jnp.float32), config, show_progress=False).core.runner
+        texts[matmul] = {shape: runner._lower_step(shape).as_text() for shape in runner.buckets.shapes()}
+    assert {(shape.kind, shape.tokens) for shape in texts["cpu"]} >= {("decode", 1), ("decode", 128),
+                                                                      ("prefill", 16), ("prefill", 128)}
+    for shape, text in texts["cpu"].items():  # q k v o gate up down in the scan body + the LM head (a prompt
+        assert text.count(cpu.MATMUL_TARGET) >= 8, shape  # step has a second one for prompt logprobs)
+        assert "stablehlo.dot_general" not in text, shape
+    for shape, text in texts["xla"].items():
+        assert cpu.MATMUL_TARGET not in text and "stablehlo.dot_general" in text, shape

@@ -1,5 +1,5 @@
 """Kernels for the CPU backend in C++, called from XLA through its FFI: paged attention (paged_attention.cc) and a
-weight-streaming matmul for few rows (matmul.cc).
+matmul that reads stacked weights in place (matmul.cc).
 
 Why attention: XLA's attention path gathers each sequence's pages into a dense copy before attending. On a CPU,
 whose memory bandwidth is a few GB/s per core, that copy costs more than the attention itself (at batch 64 and
@@ -8,8 +8,10 @@ whose memory bandwidth is a few GB/s per core, that copy costs more than the att
 Why the matmul: a decode step's projections read every weight once for a few rows, so with one or two rows they
 run at the speed weights stream from memory, and up to a few dozen at the rate of multiply-adds over weights that
 stream once; XLA:CPU first copies each layer's slice out of the stacked [layers, ...] weight, and its dot streams
-below what this machine copies at. The kernel reads the layer's slice in place, float32, bfloat16 or int8
-(per-channel scales): streaming for one or two rows, register-blocked tiles for more. Its reference is the einsum
+below what this machine copies at. A prompt step's products (hundreds of rows) are bound by multiply-adds
+instead, where XLA's dot reached 0.56-0.69 of this machine's peak (bench/cpu_peak.py). The kernel reads the
+layer's slice in place, float32, bfloat16 or int8 (per-channel scales): streaming for one or two rows,
+register-blocked tiles up to 64, cache-blocked bands of packed weights beyond. Its reference is the einsum
 (jaxserve.models.linear).
 
 The kernels are compiled on first use with the system's C++ compiler (`$CXX`, else c++) against the jaxlib FFI
@@ -43,7 +45,6 @@ SOURCES = (HERE / "paged_attention.cc", HERE / "matmul.cc")
 HEADERS = (HERE / "common.h",)
 TARGET = "jaxserve_cpu_paged_attention"
 MATMUL_TARGET = "jaxserve_cpu_matmul"
-MATMUL_MAX_ROWS = 64  # the matmul kernel's limit: a decode step's rows; larger products (prefill) go to XLA's dot
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
 
@@ -63,13 +64,11 @@ def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer:
 
 
 def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None) -> jax.Array:
-    """x [M, K] (M <= MATMUL_MAX_ROWS) @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight
+    """x [M, K] @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight
     w [L, K, N] in place (a [K, N] weight is one layer). Float32 or bfloat16 weights; int8 weights with scales
     [L, N] (or [N]) per output channel. Needs `available()`."""
     if not available():
         raise RuntimeError("the CPU kernels could not be built; use matmul='xla'")
-    if x.shape[0] > MATMUL_MAX_ROWS:
-        raise ValueError(f"the CPU matmul kernel takes at most {MATMUL_MAX_ROWS} rows, not {x.shape[0]}")
     w = w if w.ndim == 3 else w[None]
     if w.dtype == jnp.int8:
         if scales is None:

@@ -11,9 +11,9 @@ Choices (the engine resolves `auto` from the backend and the cache dtype, once):
                "xla"     the jnp implementations in jaxserve.models.attention, everywhere
     matmul     "pallas"  pallas_kernels.quant_matmul for quantized weights, run under shard_map (GSPMD cannot split
                          a kernel); "xla" the jnp product of jaxserve.quant.schemes. Float weights are one einsum.
-               "cpu"     (one device on the CPU backend) the C++ weight-streaming kernel of jaxserve.cpu for products
-                         of at most `stacked_rows` rows (decode steps) with float or int8 weights, reading a layer's
-                         slice of the stacked weights in place; XLA for the rest, as "xla"
+               "cpu"     (one device on the CPU backend) the C++ kernel of jaxserve.cpu for the products with float
+                         or int8 weights, decode and prompt steps alike, reading a layer's slice of the stacked
+                         weights in place; XLA for the rest, as "xla"
     grouped    MoE experts (jaxserve.models.moe.grouped_matmul): jax.lax.ragged_dot, except for decode-sized steps
                on a CPU (decided when the step is traced, like interpret mode), whose lowering of ragged_dot
                multiplies every expert with every row; there the tiled grouped matmul.
@@ -28,7 +28,7 @@ Contracts (the model calls these inside shard_map, on the KV heads one device ho
         sequence. sliding_window: None, an int, or a traced int32 (0: none); softcap: None or a float
     matmul(x [M, K], values, scales[, zeros], *, scheme) -> [M, N] float32   (quantized weight as its matrix view;
         scheme: a jaxserve.quant.schemes name; act-order is applied to x before)
-    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32     (M: stacked_rows)
+    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from pallas_kernels import paged_attention as pa, quant_matmul as qm, ragged_pag
 
 ATTENTION_CHOICES = ("pallas", "cpu", "xla")
 MATMUL_CHOICES = ("pallas", "cpu", "xla")
-# the weight types the CPU kernel reads in place, each up to its row limit (cpu.MATMUL_MAX_ROWS), where it beats XLA's
-# dot at every row count (bench/cpu_matmul.py, the small preset's projections, 2-vCPU Intel Xeon VM with AVX-512,
-# XLA / kernel: float32 2.6 / 2.3 / 2.4 / 2.2 / 1.3x at 1 / 5 / 16 / 32 / 64 rows, int8 4.7 / 4.0 / 2.7 / 2.4 / 1.3x,
-# bfloat16 2.4 / 2.6 / 2.7 / 2.2 / 1.3x)
+# the weight types the CPU kernel reads in place, at every row count, where it beats XLA's dot (bench/cpu_matmul.py,
+# the small preset's projections, 2-vCPU AMD EPYC VM with AVX-512, XLA / kernel at 2 / 16 / 64 / 128 / 512 / 2048
+# rows: float32 2.14 / 1.38 / 1.32 / 1.17 / 1.05 / 1.02x, int8 3.06 / 1.97 / 1.27 / 1.19 / 1.11 / 1.04x, bfloat16
+# 2.87 / 1.82 / 1.35 / 1.14 / 1.06 / 1.02x)
 CPU_MATMUL_DTYPES = ("float32", "bfloat16", "int8")
 
 
@@ -64,8 +64,7 @@ class Kernels:
     matmul: Callable = dataclasses.field(repr=False)  # quantized weights only
     matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
     stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
-    # products of at most stacked_rows rows with weights stored in one of stacked_dtypes go to stacked_matmul
-    stacked_rows: int = 0
+    # products with weights stored in one of stacked_dtypes go to stacked_matmul
     stacked_dtypes: tuple[str, ...] = ()
     grouped_matmul: Callable = dataclasses.field(default=moe.grouped_matmul, repr=False)  # MoE experts
 
@@ -79,14 +78,12 @@ class Kernels:
         stacked = matmul_name == "cpu"
         return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
                    matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmul if stacked else None,
-                   stacked_rows=cpu.MATMUL_MAX_ROWS if stacked else 0,
                    stacked_dtypes=CPU_MATMUL_DTYPES if stacked else ())
 
-    def reads_stacked(self, rows: int, weight_dtype="float32") -> bool:
-        """Whether a product of `rows` rows with weights stored as `weight_dtype` runs on stacked_matmul (then the
-        layer scan leaves those weights stacked)."""
-        return (self.stacked_matmul is not None and rows <= self.stacked_rows
-                and jnp.dtype(weight_dtype).name in self.stacked_dtypes)
+    def reads_stacked(self, weight_dtype="float32") -> bool:
+        """Whether products with weights stored as `weight_dtype` run on stacked_matmul (then the layer scan leaves
+        those weights stacked)."""
+        return self.stacked_matmul is not None and jnp.dtype(weight_dtype).name in self.stacked_dtypes
 
     def describe(self) -> str:
         return f"{self.attention_name} attention, {self.matmul_name} matmul"

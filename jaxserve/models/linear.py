@@ -2,8 +2,8 @@
 
     dense(x, weight, "...te,ehd->...thd", kernels=...)    weight: a float Param (or array), or a QuantizedWeight
 
-Inside the layer scan a decode-sized product can take the layer's weight still stacked [layers, ...] with its
-`layer` index, when the kernels read stacked weights in place (`kernels.reads_stacked(rows)`, the C++ CPU kernel):
+Inside the layer scan a product can take the layer's weight still stacked [layers, ...] with its `layer` index,
+when the kernels read stacked weights in place (`kernels.reads_stacked(dtype)`, the C++ CPU kernel):
 then the weight is viewed as [layers, K, N] (a free reshape) and never sliced out. Otherwise a float weight is one
 einsum. A QuantizedWeight (int8 / int4 / fp8, with zero points and act-order where the scheme says; layouts in
 `jaxserve.quant.schemes`) is multiplied as a matrix: x's trailing `contract` dims are flattened to K, the weight is

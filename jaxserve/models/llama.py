@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -198,7 +197,7 @@ class Llama(nnx.Module):
         x = self._embed(tokens)
         rope_of_layer = self._rope(meta.positions, x.dtype)
         lora_mask = self._lora_mask(lora_slots, x.dtype)
-        in_place = self._read_in_place(kernels, tokens.shape[0])
+        in_place = self._read_in_place(kernels)
 
         def one_layer(layer, carry, index):
             x, cache = carry
@@ -264,13 +263,13 @@ class Llama(nnx.Module):
             return windows[0]
         return jnp.asarray([w or 0 for w in windows], jnp.int32)[index]
 
-    def _read_in_place(self, kernels: Kernels, rows: int) -> tuple[str, ...]:
-        """The projections whose stacked weights kernels.stacked_matmul reads in place for products of `rows`."""
+    def _read_in_place(self, kernels: Kernels) -> tuple[str, ...]:
+        """The projections whose stacked weights kernels.stacked_matmul reads in place."""
         if kernels.stacked_matmul is None:
             return ()
         return tuple(name for name in DecoderLayers.PROJECTIONS  # MoE: no MLP ones
                      if hasattr(self.layers, name) and read_in_place(weight := getattr(self.layers, name))
-                     and kernels.reads_stacked(rows, stored_dtype(weight)))
+                     and kernels.reads_stacked(stored_dtype(weight)))
 
     def _scan_layers(self, body, carry, keep_stacked: tuple[str, ...] = ()):
         """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan. The weights
@@ -296,8 +295,7 @@ class Llama(nnx.Module):
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_word_embeddings:
             logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        elif read_in_place(self.lm_head) and kernels.reads_stacked(math.prod(h.shape[:-1]),
-                                                                    stored_dtype(self.lm_head)):
+        elif read_in_place(self.lm_head) and kernels.reads_stacked(stored_dtype(self.lm_head)):
             logits = stacked_dense(h, self.lm_head, "...e,ev->...v", kernels)  # [hidden, vocab]: one "layer"
         else:
             logits = _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
