@@ -9,9 +9,9 @@
 //   out     [M, N]          float32
 //
 // Three paths, by what binds:
-// - One or two rows (streaming): a few FLOPs per weight, so the speed is the rate weights stream from memory. A
-//   core streams fastest along long contiguous runs (its prefetchers follow a few dozen sequential streams, each
-//   within a 4 KB page), so the weight is cut into tasks of whole row runs:
+// - One or two rows of float32 weights (streaming): a few FLOPs per weight, so the speed is the rate weights stream
+//   from memory. A core streams fastest along long contiguous runs (its prefetchers follow a few dozen sequential
+//   streams, each within a 4 KB page), so the weight is cut into tasks of whole row runs:
 //
 //          n0        n0+nb                 a task: rows [k0, k1) x columns [n0, n0+nb), nb * sizeof(weight)
 //     k0   +---------+                     = 4 KB (the whole row if shorter); tasks split K too when there are
@@ -22,8 +22,9 @@
 //   Inside a task 8 weight rows are walked together along N, one vector of columns at a time (16 float32 with
 //   AVX-512, 8 with AVX2): 8 sequential streams, each vector loaded and converted to float32 once and multiplied
 //   into every row of x; the rows' sums for the task's columns stay in L1 and are read and written once per 8 rows.
-// - Three to 64 rows (register-blocked, below): the streaming path's sums, loaded and stored per weight vector
-//   and row, would bind; tiles of 6 rows x 4 vectors keep theirs in registers over 32 weight rows at a time.
+// - Up to 64 rows otherwise (register-blocked, below): the streaming path's sums, loaded and stored per weight
+//   vector and row, would bind; tiles of 6 rows x 4 vectors keep theirs in registers over 32 weight rows at a time,
+//   and each band of 32 rows is prefetched into L2 while the one before is worked.
 // - More than 64 rows (a prompt step; cache-blocked, further below): multiply-adds bind; bands of the weight are
 //   packed once into L2 and every tile of x walks them.
 
@@ -89,7 +90,10 @@ struct Grid {
 
 constexpr int64_t kRunBytes = 4096;    // a task's contiguous run per weight row, at least (a page)
 constexpr int64_t kMaxRows = 64;       // rows of x the paths below take; more take the cache-blocked one
-constexpr int64_t kMaxStreamedRows = 2;  // rows of x the streaming path takes; more take the register-blocked one
+// rows of x the streaming path takes, float32 weights only; more, and narrower weights, take the register-blocked
+// one (bench/cpu_matmul.py, AMD EPYC AVX-512, streaming / blocked ms at 1 and 2 rows: float32 10.4 / 14.3 and 11.0 /
+// 11.6, int8 5.1 / 4.1 and 6.0 / 4.4, bfloat16 7.3 / 6.5 and 7.5 / 6.0)
+constexpr int64_t kMaxStreamedRows = 2;
 constexpr int64_t kAccFloats = 8192;   // a task's [M, nb] float32 sums, at most (32 KB: L1)
 constexpr int64_t kMinSplitRows = 64;  // rows per K split, at least
 
@@ -222,7 +226,9 @@ inline fvec Broadcast(float v) {
 
 // Rows of the next band a tile prefetches while it works: `rows` rows `stride` bytes apart from `first`, `bytes`
 // of each (the panel's width in weight bytes). The panel's tiles share them out, so the requests spread over the
-// band's work instead of queueing behind the first tile.
+// band's work instead of queueing behind the first tile. Into L2, not L1: a band ahead is more than L1 holds, and
+// prefetching it into L1 evicted what was in use (one core, 4 / 16 rows over 24 [768, 2048] float32 weights: 15.7 /
+// 22.4 ms into L1, 9.2 / 17.0 ms into L2, 20.8 / 30.1 ms without prefetching; AMD EPYC, AVX-512).
 struct Ahead {
   const char* first;
   int64_t stride, rows;
@@ -241,7 +247,7 @@ inline void MicroTile(const float* __restrict xp, const WT* __restrict w, int64_
   for (int64_t k = 0; k < kc; ++k, w += w_stride, xp += kMR) {
     if (k < ahead.rows) {
       const char* p = ahead.first + k * ahead.stride;
-      for (int b = 0; b < ahead.bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+      for (int b = 0; b < ahead.bytes; b += 64) __builtin_prefetch(p + b, 0, 2);  // into L2 (prefetcht1)
     }
     fvec wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = Load(w + j * kLanes);
@@ -522,7 +528,7 @@ template <typename WT>
 void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
   if (s.m > kMaxRows) return RunGemm(pool, s, x, w, scales, out);
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const bool blocked = s.m > kMaxStreamedRows;
+  const bool blocked = s.m > (sizeof(WT) == sizeof(float) ? kMaxStreamedRows : 0);
   const Grid g = blocked ? MakeBlockedGrid(s, workers) : MakeGrid(s, sizeof(WT), workers);
   float* xp = nullptr;
   if (blocked) {
