@@ -1,9 +1,9 @@
 """How close a prefill step's matrix products come to this CPU's multiply-add peak.
 
 The peak: a loop of independent fused multiply-adds (12 chains, no loads), compiled here with jaxserve/cpu's
-compiler and -march=native, run on every core at once, on 512-bit and on 256-bit vectors. The achieved rate: XLA's
-dot (what a prefill step runs) over the small preset's 12 layers of projections at M rows (bench/cpu_matmul.py's
-pass), in the same run. A prompt step's time is these products plus attention and norms, so prefill throughput,
+compiler and -march=native, run on every core at once, on 512-bit and on 256-bit vectors. The achieved rates: the
+C++ kernel's cache-blocked path (what a prompt step runs with matmul=cpu) and XLA's dot (matmul=xla) over the small
+preset's 12 layers of projections at M rows (bench/cpu_matmul.py's pass), in the same run. A prompt step's time is these products plus attention and norms, so prefill throughput,
 and a burst's time to first token, scale with the ratio printed last.
 
     python bench/cpu_peak.py [--rows 512 2048]
@@ -78,13 +78,14 @@ def main():
     peak = max(wide, narrow)
     print(f"multiply-add peak, {os.cpu_count()} cores at once: 512-bit {wide:.0f} GFLOP/s, 256-bit {narrow:.0f}")
     rng = np.random.default_rng(0)
-    weights, xla = cpu_matmul.weights("float32", rng), cpu_matmul.passes()["xla"]
+    weights, passes = cpu_matmul.weights("float32", rng), cpu_matmul.passes()
     per_row = 2 * cpu_matmul.LAYERS * sum(k * n for k, n in cpu_matmul.SHAPES.values())
     for m in args.rows:
         x = jnp.asarray(rng.standard_normal((m, cpu_matmul.E)), jnp.float32)
-        seconds = timed(xla, x, weights, repeats=args.rounds)
-        rate = per_row * m / seconds / 1e9
-        print(f"XLA dot, {m} rows: {seconds * 1e3:.1f} ms, {rate:.0f} GFLOP/s, {rate / peak:.2f} of peak")
+        for name, label in (("cpu", "C++ kernel"), ("xla", "XLA dot")):
+            seconds = timed(passes[name], x, weights, repeats=args.rounds)
+            rate = per_row * m / seconds / 1e9
+            print(f"{label}, {m} rows: {seconds * 1e3:.1f} ms, {rate:.0f} GFLOP/s, {rate / peak:.2f} of peak")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,24 @@ def test_matches_the_einsum(rng, dtype, m, k, n):
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("m,rows", [(40, 3), (40, 1), (200, 70), (200, 0), (16, 99)])
+def test_multiplies_only_the_real_rows(rng, dtype, m, rows):
+    """The leading `rows` rows are x's products, the padding's are zeros (whatever x holds there); more rows
+    than M means all of them."""
+    k, n = 96, 130
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    if dtype == "int8":
+        w, scales = jnp.asarray(rng.integers(-127, 128, (2, k, n)), jnp.int8), jnp.full((2, n), 0.01, jnp.float32)
+    else:
+        w, scales = jnp.asarray(rng.standard_normal((2, k, n)), jnp.float32), None
+    ref = jnp.einsum("mk,kn->mn", x, w[1].astype(jnp.float32), precision="highest") * (1 if scales is None else 0.01)
+    out = np.asarray(jax.jit(lambda x, w, s, r: cpu.matmul(x, w, 1, s, r))(x, w, scales, jnp.int32(rows)))
+    real = min(rows, m)
+    np.testing.assert_allclose(out[:real], np.asarray(ref)[:real], rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))
+    assert not out[real:].any()
+
+
 def test_bfloat16_rows_and_an_unstacked_weight(rng):
     x = jnp.asarray(rng.standard_normal((1, 96)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)

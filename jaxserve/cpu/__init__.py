@@ -63,10 +63,11 @@ def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer:
                 softcap=np.float32(softcap or 0.0))
 
 
-def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight
-    w [L, K, N] in place (a [K, N] weight is one layer). Float32 or bfloat16 weights; int8 weights with scales
-    [L, N] (or [N]) per output channel. Needs `available()`."""
+def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None, rows=None) -> jax.Array:
+    """x [M, K] @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight w [L, K, N] in place (a
+    [K, N] weight is one layer). Float32 or bfloat16 weights; int8 weights with scales [L, N] (or [N]) per output
+    channel. `rows` (an int or int32 scalar, None: M): x's leading rows to multiply; the others are a step's
+    padding and come back as zeros, at no cost. Needs `available()`."""
     if not available():
         raise RuntimeError("the CPU kernels could not be built; use matmul='xla'")
     w = w if w.ndim == 3 else w[None]
@@ -77,7 +78,8 @@ def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None) -
     else:
         scales = jnp.zeros((1, 1), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
-    return call(x, w, scales, jnp.asarray(layer, jnp.int32).reshape(1))
+    rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(1)
+    return call(x, w, scales, jnp.asarray(layer, jnp.int32).reshape(1), rows)
 
 
 def supports(cache_dtype) -> bool:

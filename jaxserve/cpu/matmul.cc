@@ -6,6 +6,8 @@
 //   w       [L, K, N]       float32 | bfloat16 | int8          (row-major: K rows of N outputs)
 //   scales  [L, N]          float32, int8 weights only (per output channel; out = (x . w) * scale)
 //   layer   int32 [1]       the slice of w to use
+//   rows    int32 [1]       x's leading rows to multiply (a step's real tokens); the rest are padding, out's rows
+//                           for them zeros
 //   out     [M, N]          float32
 //
 // Three paths, by what binds:
@@ -565,12 +567,14 @@ void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, con
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
-                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("cpu matmul: expected x [M, K] and w [L, K, N]");
   }
-  const Shape s{xd[0], xd[1], wd[2]};
+  // the padding rows past `rows` are not multiplied: s.m counts the real ones
+  const Shape s{std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), xd[1], wd[2]};
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) {
     return ffi::Error::InvalidArgument("cpu matmul: layer out of range");
@@ -590,6 +594,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   }
   const int64_t slice = s.k * s.n;
   float* o = out->typed_data();
+  std::fill(o + s.m * s.n, o + xd[0] * s.n, 0.0f);
+  if (s.m == 0) return ffi::Error::Success();
   switch (w.element_type()) {
     case ffi::F32:
       Run(pool, s, xf, static_cast<const float*>(w.untyped_data()) + l * slice, nullptr, o);
@@ -616,5 +622,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // w
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
 );

@@ -101,6 +101,12 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.seq_ids.shape[0]
 
+    def real_tokens(self) -> jax.Array:
+        """int32 scalar: one past the last token that is not padding (0 when all are); the tokens from there on are
+        padding, so a product may skip their rows."""
+        t = jnp.arange(self.num_tokens, dtype=jnp.int32)
+        return jnp.max(jnp.where(self.seq_ids < self.block_tables.shape[0], t + 1, 0), initial=0)
+
     @classmethod
     def build(cls, block_tables: jax.Array, context_lens: jax.Array, query_start: jax.Array, num_tokens: int,
               page_size: int, is_decode: bool = False) -> "AttentionMetadata":

@@ -28,7 +28,8 @@ Contracts (the model calls these inside shard_map, on the KV heads one device ho
         sequence. sliding_window: None, an int, or a traced int32 (0: none); softcap: None or a float
     matmul(x [M, K], values, scales[, zeros], *, scheme) -> [M, N] float32   (quantized weight as its matrix view;
         scheme: a jaxserve.quant.schemes name; act-order is applied to x before)
-    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None) -> [M, N] float32
+    stacked_matmul(x [M, K], w [L, K, N], layer, scales [L, N] | None, rows) -> [M, N] float32   (rows: x's leading
+        rows that are real tokens, an int32 scalar or None for all; the rest are padding, their products zeros)
 """
 
 from __future__ import annotations

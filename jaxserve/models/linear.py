@@ -61,12 +61,14 @@ def _value(param):
     return None if param is None else param[...]
 
 
-def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XLA, layer=None) -> jax.Array:
+def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XLA, layer=None,
+          rows=None) -> jax.Array:
     """einsum(spec, x, weight) accumulated in float32, returned in `out_dtype` (default: x's dtype). `layer`: the
     weight is stacked [layers, ...] and this layer's slice is meant (the layer scan leaves it stacked only when
-    kernels.reads_stacked)."""
+    kernels.reads_stacked); then `rows` (int32 scalar, None: all) may say how many of x's leading rows are real,
+    the rest padding whose products are zeros."""
     if layer is not None:
-        out = stacked_dense(x, weight, spec, kernels, layer)
+        out = stacked_dense(x, weight, spec, kernels, layer, rows)
     elif isinstance(weight, QuantizedWeight):
         out = _quantized_dense(x, weight, spec, kernels)
     else:
@@ -104,9 +106,10 @@ def stored_dtype(weight):
     return (weight.values if isinstance(weight, QuantizedWeight) else weight)[...].dtype
 
 
-def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None) -> jax.Array:
+def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None, rows=None) -> jax.Array:
     """x [..., K dims] @ weight[layer] [K dims, N dims] -> float32 by kernels.stacked_matmul on the weight's
-    [layers, K, N] view; `layer=None`: the weight is not stacked (one layer)."""
+    [layers, K, N] view; `layer=None`: the weight is not stacked (one layer). `rows`: x's leading rows (flattened
+    to [M, K]) that are real, the others' products zeros (None: all)."""
     quantized = isinstance(weight, QuantizedWeight)
     values = weight.values[...] if quantized else weight[...]
     if layer is None:
@@ -116,7 +119,7 @@ def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None)
     k_dims, n_dims = values.shape[1:1 + contract], values.shape[1 + contract:]
     k, n = math.prod(k_dims), math.prod(n_dims)
     scales = weight.scales[...].reshape(values.shape[0], n) if quantized else None
-    out = kernels.stacked_matmul(x.reshape(-1, k), values.reshape(values.shape[0], k, n), layer, scales)
+    out = kernels.stacked_matmul(x.reshape(-1, k), values.reshape(values.shape[0], k, n), layer, scales, rows)
     return out.reshape(x.shape[:x.ndim - contract] + tuple(n_dims))
 
 

@@ -134,12 +134,14 @@ class DecoderLayers(nnx.Module):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
         and `aux` (the updated cache, for the paged path) is handed back to the caller. With adapter slots
         attached (jaxserve.lora.weights), lora_mask [..., T, slots] selects each token's adapter. `in_place`:
-        (names, layer index) of projections whose weights are still stacked, read in place by
-        kernels.stacked_matmul."""
-        stacked, index = in_place or ((), None)
+        (names, layer index, real rows) of projections whose weights are still stacked, read in place by
+        kernels.stacked_matmul, and how many of the leading tokens are real (the rest padding, skipped)."""
+        stacked, index, rows = in_place or ((), None, None)
 
         def dense(inputs, name: str, spec: str):
-            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if name in stacked else None)
+            in_place = name in stacked
+            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if in_place else None,
+                         rows=rows if in_place else None)
             if lora_mask is None:
                 return out
             return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
@@ -198,6 +200,7 @@ class Llama(nnx.Module):
         rope_of_layer = self._rope(meta.positions, x.dtype)
         lora_mask = self._lora_mask(lora_slots, x.dtype)
         in_place = self._read_in_place(kernels)
+        real_tokens = meta.real_tokens() if in_place else None  # the padding's rows are skipped
 
         def one_layer(layer, carry, index):
             x, cache = carry
@@ -206,7 +209,8 @@ class Llama(nnx.Module):
                 return attend_paged(q, k, v, cache, index, meta, sliding_window=self._window(index),
                                     scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping, kernels=kernels)
 
-            return layer(x, *rope_of_layer(index), attend, cfg, kernels, lora_mask, in_place=(in_place, index))
+            return layer(x, *rope_of_layer(index), attend, cfg, kernels, lora_mask,
+                         in_place=(in_place, index, real_tokens))
 
         return self._scan_layers(one_layer, (x, cache), keep_stacked=in_place)
 
