@@ -112,8 +112,13 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
     token_slots = jnp.where(valid, inputs.row_slots[row], 0)
     token_adapters = jnp.where(valid, inputs.lora_slots[row], 0)
     hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels, token_adapters)
-    last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1) if logit_rows is None else logit_rows
-    return kv, ModelOutputs(model.logits(hidden[last], kernels), hidden, token_slots, meta.positions)
+    if logit_rows is None:  # each sequence's last token; the padding rows (empty, at the end) need no logits
+        last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
+        real = jnp.max(jnp.where(inputs.context_lens > 0, jnp.arange(1, num_seqs + 1, dtype=jnp.int32), 0))
+        logits = model.logits(hidden[last], kernels, rows=real)
+    else:
+        logits = model.logits(hidden[logit_rows], kernels)
+    return kv, ModelOutputs(logits, hidden, token_slots, meta.positions)
 
 
 def sample_step(logits: jax.Array, slots: SlotState, row_slots: jax.Array, context_lens: jax.Array,

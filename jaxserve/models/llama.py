@@ -294,13 +294,14 @@ class Llama(nnx.Module):
         carry, _ = jax.lax.scan(step, carry, jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
         return carry
 
-    def logits(self, hidden: jax.Array, kernels: Kernels = XLA) -> jax.Array:
-        """[..., hidden] -> [..., vocab] float32 logits (applies the final norm)."""
+    def logits(self, hidden: jax.Array, kernels: Kernels = XLA, rows=None) -> jax.Array:
+        """[..., hidden] -> [..., vocab] float32 logits (applies the final norm). `rows` (int32 scalar, None: all):
+        the leading rows that are real; a kernel that reads the LM head in place may return zeros past them."""
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_word_embeddings:
             logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
         elif read_in_place(self.lm_head) and kernels.reads_stacked(stored_dtype(self.lm_head)):
-            logits = stacked_dense(h, self.lm_head, "...e,ev->...v", kernels)  # [hidden, vocab]: one "layer"
+            logits = stacked_dense(h, self.lm_head, "...e,ev->...v", kernels, rows=rows)  # [hidden, vocab]: one "layer"
         else:
             logits = _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
         return layers.softcap(logits, self.cfg.final_logit_softcapping)
