@@ -192,7 +192,7 @@ inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const fl
   }
 }
 
-// ---- Register-blocked path, 3+ rows ---------------------------------------------------------------------------
+// ---- Register-blocked path, up to 64 rows ----------------------------------------------------------------------
 //
 // From a few rows on, the streaming path above is bound by its sums' loads and stores (one per weight vector and
 // row), not by the weights. Here a tile of up to kMR rows x kNR vectors of columns keeps its sums in registers over

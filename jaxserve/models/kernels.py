@@ -104,8 +104,8 @@ def resolve_attention(choice: str, kv_dtype=None) -> str:
 
 
 def resolve_matmul(choice: str, tensor_parallel_size: int = 1) -> str:
-    """`auto`: the Pallas kernel (quantized weights) on a GPU; on a CPU the C++ kernel for decode-sized products
-    when the model is on one device and the kernel builds; else XLA."""
+    """`auto`: the Pallas kernel (quantized weights) on a GPU; on a CPU the C++ kernel (every step's products with
+    float or int8 weights) when the model is on one device and the kernel builds; else XLA."""
     if choice == "auto":
         backend = jax.default_backend()
         if backend == "gpu":
