@@ -123,10 +123,10 @@ def test_engine_generates_what_xla_does(quantization):
 def test_every_step_reads_weights_in_place(quantization):
     """Decode and prompt steps alike: every projection goes through the kernel, and the LM head too (float32,
     unquantized in both models), so no weight slice is copied out and no XLA dot is left; with matmul=xla there
-    are XLA dots (what this test looks for is there to find)."""
+    are XLA dots (what this test looks for is there to find: checked once, on the float model)."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
     texts = {}
-    for matmul in ("cpu", "xla"):
+    for matmul in ("cpu", "xla") if quantization is None else ("cpu",):
         config = EngineConfig(max_num_seqs=128, max_num_batched_tokens=128, max_model_len=64, matmul=matmul,
                               decode_buckets=(1, 128), prefill_token_buckets=(16, 128), xla_optimization_level=0)
         runner = LLMEngine(random_model(cfg, jnp.float32), config, show_progress=False).core.runner
@@ -136,5 +136,5 @@ def test_every_step_reads_weights_in_place(quantization):
     for shape, text in texts["cpu"].items():  # q k v o gate up down in the scan body + the LM head (a prompt
         assert text.count(cpu.MATMUL_TARGET) >= 8, shape  # step has a second one for prompt logprobs)
         assert "stablehlo.dot_general" not in text, shape
-    for shape, text in texts["xla"].items():
+    for shape, text in texts.get("xla", {}).items():
         assert cpu.MATMUL_TARGET not in text and "stablehlo.dot_general" in text, shape
