@@ -9,10 +9,10 @@ Why the matmul: a decode step's projections read every weight once for a few row
 run at the speed weights stream from memory, and up to a few dozen at the rate of multiply-adds over weights that
 stream once; XLA:CPU first copies each layer's slice out of the stacked [layers, ...] weight, and its dot streams
 below what this machine copies at. A prompt step's products (hundreds of rows) are bound by multiply-adds
-instead, where XLA's dot reached 0.56-0.69 of this machine's peak (bench/cpu_peak.py). The kernel reads the
-layer's slice in place, float32, bfloat16 or int8 (per-channel scales): streaming for one or two rows,
-register-blocked tiles up to 64, cache-blocked bands of packed weights beyond. Its reference is the einsum
-(jaxserve.models.linear).
+instead, where XLA's dot reached 0.56-0.69 of the multiply-add peak on one VM, 0.82 on another
+(bench/cpu_peak.py). The kernel reads the layer's slice in place, float32, bfloat16 or int8 (per-channel scales):
+streaming for one or two rows (float32), register-blocked tiles up to 64, cache-blocked bands of packed weights
+beyond. Its reference is the einsum (jaxserve.models.linear).
 
 The kernels are compiled on first use with the system's C++ compiler (`$CXX`, else c++) against the jaxlib FFI
 headers, for this machine's instruction set, into one library cached under the jaxserve cache directory keyed by

@@ -413,7 +413,7 @@ inline void GemmTile(const float* const* __restrict x, const float* __restrict p
   const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *x4 = x[4], *x5 = x[5];
   static_assert(kGemmMR == 6, "one pointer per row");
   for (int64_t k = 0; k < kc; ++k, panel += kGemmPanel) {
-    for (int j = 0; j < kGemmNR * kLanes * 4; j += 64) {
+    for (int64_t j = 0; j < kGemmPanel * static_cast<int64_t>(sizeof(float)); j += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(panel + kGemmAhead * kGemmPanel) + j, 0, 3);
     }
     fvec w[kGemmNR];
@@ -468,7 +468,8 @@ void GemmTask(const Shape& s, const float* x, const WT* w, const float* scales, 
     const int64_t nc1 = std::min(n1, nc0 + kGemmNC);
     for (int64_t k0 = 0; k0 < s.k; k0 += kGemmKC) {
       const int64_t kc = std::min(kGemmKC, s.k - k0);
-      const bool first = k0 == 0, last = k0 + kc == s.k;
+      const bool last = k0 + kc == s.k;
+      const auto tile = k0 == 0 ? &GemmTile<true> : &GemmTile<false>;  // the first band starts the sums
       PackBand(s, w, k0, kc, nc0, nc1, band);
       for (int64_t m = m0; m < m1; m += kGemmMR) {
         const int64_t rows = std::min<int64_t>(kGemmMR, m1 - m);
@@ -480,23 +481,15 @@ void GemmTask(const Shape& s, const float* x, const WT* w, const float* scales, 
           const float* sc = last && scales != nullptr ? scales + p0 : nullptr;
           float* c = out + m * s.n + p0;
           if (rows == kGemmMR && cols == kGemmPanel) {
-            if (first) {
-              GemmTile<true>(xr, panel, kc, sc, c, s.n);
-            } else {
-              GemmTile<false>(xr, panel, kc, sc, c, s.n);
-            }
+            tile(xr, panel, kc, sc, c, s.n);
             continue;
           }
           // an edge tile (fewer rows or columns): through a full-size buffer, scaled on the way back
           alignas(64) float local[kGemmMR * kGemmPanel] = {};
-          for (int64_t r = 0; r < rows && !first; ++r) {
+          for (int64_t r = 0; r < rows && k0 > 0; ++r) {
             std::copy(c + r * s.n, c + r * s.n + cols, local + r * kGemmPanel);
           }
-          if (first) {
-            GemmTile<true>(xr, panel, kc, nullptr, local, kGemmPanel);
-          } else {
-            GemmTile<false>(xr, panel, kc, nullptr, local, kGemmPanel);
-          }
+          tile(xr, panel, kc, nullptr, local, kGemmPanel);
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t j = 0; j < cols; ++j) {
               c[r * s.n + j] = local[r * kGemmPanel + j] * (sc == nullptr ? 1.0f : sc[j]);

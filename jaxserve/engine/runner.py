@@ -114,8 +114,7 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
     hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels, token_adapters)
     if logit_rows is None:  # each sequence's last token; the padding rows (empty, at the end) need no logits
         last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
-        real = jnp.max(jnp.where(inputs.context_lens > 0, jnp.arange(1, num_seqs + 1, dtype=jnp.int32), 0))
-        logits = model.logits(hidden[last], kernels, rows=real)
+        logits = model.logits(hidden[last], kernels, rows=meta.real_seqs())
     else:
         logits = model.logits(hidden[logit_rows], kernels)
     return kv, ModelOutputs(logits, hidden, token_slots, meta.positions)

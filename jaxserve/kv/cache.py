@@ -104,8 +104,11 @@ class AttentionMetadata:
     def real_tokens(self) -> jax.Array:
         """int32 scalar: one past the last token that is not padding (0 when all are); the tokens from there on are
         padding, so a product may skip their rows."""
-        t = jnp.arange(self.num_tokens, dtype=jnp.int32)
-        return jnp.max(jnp.where(self.seq_ids < self.block_tables.shape[0], t + 1, 0), initial=0)
+        return _one_past_last(self.seq_ids < self.block_tables.shape[0])
+
+    def real_seqs(self) -> jax.Array:
+        """int32 scalar: one past the last sequence row that is not padding (context 0), as real_tokens."""
+        return _one_past_last(self.context_lens > 0)
 
     @classmethod
     def build(cls, block_tables: jax.Array, context_lens: jax.Array, query_start: jax.Array, num_tokens: int,
@@ -123,6 +126,11 @@ class AttentionMetadata:
         slot_mapping = jnp.where(valid, page * page_size + positions % page_size, 0)
         return cls(block_tables, context_lens, query_start, seq_ids.astype(jnp.int32),
                    positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), is_decode)
+
+
+def _one_past_last(mask: jax.Array) -> jax.Array:
+    """int32 scalar: 1 + the last index where the 1-D `mask` holds (0 when nowhere)."""
+    return jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[0] + 1, dtype=jnp.int32), 0), initial=0)
 
 
 def write_kv(cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,

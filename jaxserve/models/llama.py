@@ -139,9 +139,9 @@ class DecoderLayers(nnx.Module):
         stacked, index, rows = in_place or ((), None, None)
 
         def dense(inputs, name: str, spec: str):
-            in_place = name in stacked
-            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if in_place else None,
-                         rows=rows if in_place else None)
+            kept = name in stacked
+            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if kept else None,
+                         rows=rows if kept else None)
             if lora_mask is None:
                 return out
             return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
