@@ -67,6 +67,24 @@ def test_ragged_matches_reference(rng, group, head_dim, page_size, dtype, window
         _check(out, ref, q, dtype, int(query_start[-1]))
 
 
+# (group, dtype, window, softcap): the prompt path's tiles hold 16 tokens (8 at group 8) and score keys 128 at a time,
+# so these prompts span several tiles and several key chunks, with chunks that start after a prefix.
+LONG_CASES = [(3, "float32", None, None), (1, "bfloat16", None, None), (8, "float32", 100, None),
+              (4, "bfloat16", 37, 30.0)]
+
+
+@pytest.mark.parametrize("group,dtype,window,softcap", LONG_CASES)
+def test_long_prompts_match_reference(rng, group, dtype, window, softcap):
+    shape = PagedShape(group, 64, 16, dtype, layers=2)
+    query_lens = [300, 1, 17, 130, 2, 0, 45]
+    context_lens = [300, 290, 17, 400, 129, 0, 45 + 211]  # a whole prompt, decode, chunks after a prefix, an empty slot
+    q, ck, cv, tables, lens, query_start = ragged_problem(rng, shape, query_lens, context_lens, 512, 26)
+    kw = dict(scale=0.125, sliding_window=window, softcap=softcap)
+    out = jax.jit(lambda *a: cpu.paged_attention(*a, **kw))(q, ck, cv, jnp.int32(1), tables, lens, query_start)
+    ref = rpa.ragged_paged_attention_reference(q, ck, cv, jnp.int32(1), tables, lens, query_start, **kw)
+    _check(out, ref, q, dtype, int(query_start[-1]))
+
+
 @pytest.mark.parametrize("group,head_dim,page_size,dtype,window", CASES)
 def test_decode_matches_reference(rng, group, head_dim, page_size, dtype, window):
     """Decode is the ragged layout with one token per sequence; a 0 context is a padding row."""

@@ -12,10 +12,12 @@
 //   out          [T, H, D] (q's dtype); padding tokens (t >= query_start[S]) and empty sequences give zeros
 //
 // Token t of sequence s sits at position context_lens[s] - (query_start[s + 1] - t) and attends to the cached
-// positions <= its own (and > its own - window when window > 0). Work is split over (token, kv head) pairs; the
-// calling thread and XLA's intra-op thread pool share it.
+// positions <= its own (and > its own - window when window > 0). Work is split into tasks that the calling thread
+// and XLA's intra-op thread pool share: a (token, kv head) pair for a decode token (or without AVX-512), a tile of
+// up to 16 consecutive tokens of one sequence against one kv head for a prompt's tokens (the prompt path below).
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -204,12 +206,17 @@ inline fvec Dots16(const float* q, const KT* const* keys, int64_t d) {
   return Sums16(part);
 }
 
-// acc[h * d + c0 + i] += sum over keys j < n of weights[h * n + j] * row_of(j)[c0 + i], for H heads and V vectors
-// of columns from c0: the H x V sums stay in registers over all n keys; each value row is read once for the heads.
-// The walk prefetches the row `ahead` keys on (the next page's).
+// Weight w(h, j) of head (or row) h for key j sits at weights[h * Strides::head + j * Strides::key].
+struct Strides {
+  int64_t head, key;
+};
+
+// acc[h * d + c0 + i] += sum over keys j < n of w(h, j) * row_of(j)[c0 + i], for H heads and V vectors of columns
+// from c0: the H x V sums stay in registers over all n keys; each value row is read once for the heads. The walk
+// prefetches the row `ahead` keys on (the next page's).
 template <int H, int V, typename RowOf>
-inline void WeightedRowsTile(const float* weights, int64_t n, RowOf row_of, int64_t c0, int64_t d, int64_t ahead,
-                             float* acc) {
+inline void WeightedRowsTile(const float* weights, Strides ws, int64_t n, RowOf row_of, int64_t c0, int64_t d,
+                             int64_t ahead, float* acc) {
   fvec sum[H][V] = {};
   for (int64_t j = 0; j < n; ++j) {
     if (j + ahead < n) {
@@ -222,7 +229,7 @@ inline void WeightedRowsTile(const float* weights, int64_t n, RowOf row_of, int6
     fvec vv[V];
     for (int c = 0; c < V; ++c) vv[c] = Load(v + c * kLanes);
     for (int h = 0; h < H; ++h) {
-      const fvec w = Splat(weights[h * n + j]);
+      const fvec w = Splat(weights[h * ws.head + j * ws.key]);
       for (int c = 0; c < V; ++c) sum[h][c] += w * vv[c];
     }
   }
@@ -235,27 +242,28 @@ inline void WeightedRowsTile(const float* weights, int64_t n, RowOf row_of, int6
 }
 
 template <int H, typename RowOf>
-inline void WeightedRowsHeads(const float* weights, int64_t n, RowOf row_of, int64_t d, int64_t ahead, float* acc) {
+inline void WeightedRowsHeads(const float* weights, Strides ws, int64_t n, RowOf row_of, int64_t d, int64_t ahead,
+                              float* acc) {
   for (int64_t c0 = 0; c0 < d; c0 += 4 * kLanes) {
     switch ((d - c0) / kLanes) {
-      case 1: WeightedRowsTile<H, 1>(weights, n, row_of, c0, d, ahead, acc); break;
-      case 2: WeightedRowsTile<H, 2>(weights, n, row_of, c0, d, ahead, acc); break;
-      case 3: WeightedRowsTile<H, 3>(weights, n, row_of, c0, d, ahead, acc); break;
-      default: WeightedRowsTile<H, 4>(weights, n, row_of, c0, d, ahead, acc); break;
+      case 1: WeightedRowsTile<H, 1>(weights, ws, n, row_of, c0, d, ahead, acc); break;
+      case 2: WeightedRowsTile<H, 2>(weights, ws, n, row_of, c0, d, ahead, acc); break;
+      case 3: WeightedRowsTile<H, 3>(weights, ws, n, row_of, c0, d, ahead, acc); break;
+      default: WeightedRowsTile<H, 4>(weights, ws, n, row_of, c0, d, ahead, acc); break;
     }
   }
 }
 
-// acc[h * d + i] += sum over keys j < n of weights[h * n + j] * row_of(j)[i] for h < heads (<= kHeadsInRegisters);
-// d a multiple of kLanes
+// acc[h * d + i] += sum over keys j < n of w(h, j) * row_of(j)[i] for h < heads (<= kHeadsInRegisters); d a
+// multiple of kLanes
 template <typename RowOf>
-inline void WeightedRows(const float* weights, int64_t n, int64_t heads, RowOf row_of, int64_t d, int64_t ahead,
-                         float* acc) {
+inline void WeightedRows(const float* weights, Strides ws, int64_t n, int64_t heads, RowOf row_of, int64_t d,
+                         int64_t ahead, float* acc) {
   switch (heads) {
-    case 1: WeightedRowsHeads<1>(weights, n, row_of, d, ahead, acc); break;
-    case 2: WeightedRowsHeads<2>(weights, n, row_of, d, ahead, acc); break;
-    case 3: WeightedRowsHeads<3>(weights, n, row_of, d, ahead, acc); break;
-    default: WeightedRowsHeads<4>(weights, n, row_of, d, ahead, acc); break;
+    case 1: WeightedRowsHeads<1>(weights, ws, n, row_of, d, ahead, acc); break;
+    case 2: WeightedRowsHeads<2>(weights, ws, n, row_of, d, ahead, acc); break;
+    case 3: WeightedRowsHeads<3>(weights, ws, n, row_of, d, ahead, acc); break;
+    default: WeightedRowsHeads<4>(weights, ws, n, row_of, d, ahead, acc); break;
   }
 }
 #endif
@@ -343,7 +351,7 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
 #if defined(__AVX512F__)
   if (d % kLanes == 0 && d <= kMaxBlockedDim) {  // the value rows into sums held in registers, a few heads at once
     for (int64_t g = 0; g < group; g += kHeadsInRegisters) {
-      WeightedRows(scores + g * n, n, std::min<int64_t>(kHeadsInRegisters, group - g),
+      WeightedRows(scores + g * n, Strides{n, 1}, n, std::min<int64_t>(kHeadsInRegisters, group - g),
                    [&](int64_t key) { return row(cache_v, first + key); }, d, 2 * p.page_size, acc + g * d);
     }
   } else
@@ -358,13 +366,203 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   }
 }
 
+#if defined(__AVX512F__)
+// The prompt path. A prompt's tokens attend to nearly the same keys, so a task takes a tile of consecutive query
+// tokens of one sequence against one kv head: rows = tokens x the kv head's query heads, at most kTileRows. Each key
+// and value row is then read once for the tile instead of once per token, and the rows sit in the vector lanes:
+// scores are kept key-major (st[j * rp + r]), so the softmax's maximum, exponentials and sums are lanewise, with no
+// horizontal reductions. Keys go by chunks of kKeyChunk, the softmax running online across chunks (each row's
+// maximum and sum carried, earlier sums rescaled), so the buffers stay in cache for any context length.
+constexpr int64_t kTileRows = 64;
+constexpr int64_t kTileTokens = 16;
+constexpr int64_t kKeyChunk = 128;
+
+inline int64_t TileTokens(int64_t group) { return std::clamp<int64_t>(kTileRows / group, 1, kTileTokens); }
+
+// st[j * rp + r] = sum over c < d of key_of(j)[c] * qt[c * rp + r] for keys j0 <= j < j0 + KB and RV vectors of rows:
+// the KB x RV sums stay in registers, each key value is broadcast against the RV row vectors.
+template <int RV, int KB, typename KeyOf>
+inline void ScoreBlock(const float* qt, int64_t rp, int64_t d, KeyOf key_of, int64_t j0, float* st) {
+  fvec acc[KB][RV] = {};
+  decltype(key_of(0)) k[KB];
+  for (int b = 0; b < KB; ++b) k[b] = key_of(j0 + b);
+  for (int64_t c = 0; c < d; ++c) {
+    fvec qv[RV];
+    for (int v = 0; v < RV; ++v) qv[v] = Load(qt + c * rp + v * kLanes);
+    for (int b = 0; b < KB; ++b) {
+      const fvec kb = Splat(ToFloat(k[b][c]));
+      for (int v = 0; v < RV; ++v) acc[b][v] += kb * qv[v];
+    }
+  }
+  for (int b = 0; b < KB; ++b) {
+    for (int v = 0; v < RV; ++v) Store(st + (j0 + b) * rp + v * kLanes, acc[b][v]);
+  }
+}
+
+template <int RV, typename KeyOf>
+inline void ScoreChunk(const float* qt, int64_t rp, int64_t d, KeyOf key_of, int64_t n, float* st) {
+  constexpr int KB = RV == 1 ? 12 : RV == 2 ? 8 : 24 / RV;  // at most 24 sums in registers
+  int64_t j = 0;
+  for (; j + KB <= n; j += KB) ScoreBlock<RV, KB>(qt, rp, d, key_of, j, st);
+  for (; j < n; ++j) ScoreBlock<RV, 1>(qt, rp, d, key_of, j, st);
+}
+
+struct TileBuffers {
+  std::vector<float> qt, st, acc;
+};
+
+// Query tokens [t0, t1) of sequence s (context_lens[s] > 0) against kv head kv_head.
+template <typename QT, typename KT>
+void AttendTile(const Problem& p, const QT* q, const KT* cache_k, const KT* cache_v, QT* out, int64_t s, int64_t t0,
+                int64_t t1, int64_t kv_head, TileBuffers& buf) {
+  const int64_t group = p.num_heads / p.kv_heads, d = p.head_dim, head0 = kv_head * group;
+  const int64_t rows = (t1 - t0) * group, rp = (rows + kLanes - 1) / kLanes * kLanes, rv = rp / kLanes;
+  const int64_t context = p.context_lens[s], end = p.query_start[s + 1];
+  const auto pos_of = [&](int64_t t) { return context - (end - t); };
+  const auto first_of = [&](int64_t t) {
+    return p.window > 0 ? std::max<int64_t>(0, pos_of(t) - p.window + 1) : int64_t{0};
+  };
+  // the rows' queries, scaled and transposed: qt[c * rp + r], row r = token t0 + r / group, head head0 + r % group
+  buf.qt.assign(d * rp, 0.0f);
+  float* qt = buf.qt.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const QT* qrow = q + ((t0 + r / group) * p.num_heads + head0 + r % group) * d;
+    for (int64_t c = 0; c < d; ++c) qt[c * rp + r] = ToFloat(qrow[c]) * p.scale;
+  }
+  // each lane's keys: [lane_first, lane_last]; padding lanes none
+  alignas(64) int32_t lane_first[kTileRows], lane_last[kTileRows];
+  for (int64_t r = 0; r < rp; ++r) {
+    lane_first[r] = r < rows ? static_cast<int32_t>(first_of(t0 + r / group)) : INT32_MAX;
+    lane_last[r] = r < rows ? static_cast<int32_t>(pos_of(t0 + r / group)) : -1;
+  }
+  const int64_t lo = first_of(t0), hi = pos_of(t1 - 1) + 1;
+  const int32_t* table = p.block_tables + s * p.max_pages;
+  const int64_t layer_head = (p.layer * p.kv_heads + kv_head) * p.num_pages;
+  const auto row = [&](const KT* cache, int64_t key) {
+    return cache + ((layer_head + table[key / p.page_size]) * p.page_size + key % p.page_size) * d;
+  };
+  buf.st.resize(kKeyChunk * rp);
+  float* st = buf.st.data();
+  buf.acc.assign(rows * d, 0.0f);
+  float* acc = buf.acc.data();
+  const fvec minus_inf = Splat(-INFINITY);
+  fvec peak[kTileRows / kLanes], total[kTileRows / kLanes];
+  for (int64_t v = 0; v < rv; ++v) peak[v] = minus_inf, total[v] = fvec{};
+  alignas(64) float rescale[kTileRows];
+  const KT* key_rows[kKeyChunk];
+  const KT* value_rows[kKeyChunk];
+  for (int64_t c0 = lo; c0 < hi; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, hi - c0);
+    for (int64_t j = 0; j < n; ++j) {  // the chunk's rows, looked up once (a division by the page size each)
+      key_rows[j] = row(cache_k, c0 + j);
+      value_rows[j] = row(cache_v, c0 + j);
+    }
+    const auto key_of = [&](int64_t j) { return key_rows[j]; };
+    switch (rv) {
+      case 1: ScoreChunk<1>(qt, rp, d, key_of, n, st); break;
+      case 2: ScoreChunk<2>(qt, rp, d, key_of, n, st); break;
+      case 3: ScoreChunk<3>(qt, rp, d, key_of, n, st); break;
+      default: ScoreChunk<4>(qt, rp, d, key_of, n, st); break;
+    }
+    if (p.softcap > 0) {
+      for (int64_t i = 0; i < n * rp; ++i) st[i] = p.softcap * std::tanh(st[i] / p.softcap);
+    }
+    for (int64_t v = 0; v < rv; ++v) {
+      // keys outside a lane's range to -inf, the chunk's maximum, then the online softmax's step
+      ivec first, last;
+      std::memcpy(&first, lane_first + v * kLanes, sizeof(first));
+      std::memcpy(&last, lane_last + v * kLanes, sizeof(last));
+      fvec chunk_peak = minus_inf;
+      for (int64_t j = 0; j < n; ++j) {
+        const ivec key = ivec{} + static_cast<int32_t>(c0 + j);
+        const ivec inside = (key >= first) & (key <= last);
+        const fvec x = inside ? Load(st + j * rp + v * kLanes) : minus_inf;
+        Store(st + j * rp + v * kLanes, x);
+        chunk_peak = x > chunk_peak ? x : chunk_peak;
+      }
+      const fvec new_peak = chunk_peak > peak[v] ? chunk_peak : peak[v];
+      const fvec base = new_peak == minus_inf ? fvec{} : new_peak;  // a lane with no key yet: exp(-inf - 0) = 0
+      const fvec alpha = Exp(peak[v] - base);
+      fvec sum{};
+      for (int64_t j = 0; j < n; ++j) {
+        const fvec e = Exp(Load(st + j * rp + v * kLanes) - base);
+        Store(st + j * rp + v * kLanes, e);
+        sum += e;
+      }
+      total[v] = total[v] * alpha + sum;
+      peak[v] = new_peak;
+      Store(rescale + v * kLanes, alpha);
+    }
+    if (c0 > lo) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < d; c += kLanes) Store(acc + r * d + c, Load(acc + r * d + c) * rescale[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; r += kHeadsInRegisters) {
+      WeightedRows(st + r, Strides{1, rp}, n, std::min(kHeadsInRegisters, rows - r),
+                   [&](int64_t j) { return value_rows[j]; }, d, n, acc + r * d);  // n ahead: no prefetch
+    }
+  }
+  alignas(64) float inv_total[kTileRows];
+  for (int64_t v = 0; v < rv; ++v) {
+    const fvec t = total[v];
+    Store(inv_total + v * kLanes, t > fvec{} ? 1.0f / t : fvec{});
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    QT* o = out + ((t0 + r / group) * p.num_heads + head0 + r % group) * d;
+    for (int64_t c = 0; c < d; ++c) FromFloat(acc[r * d + c] * inv_total[r], &o[c]);
+  }
+}
+#endif
+
+// A task: query tokens [t0, t1) against one kv head; a tile of sequence s (prompt path) when s >= 0, else one token.
+struct Task {
+  int32_t s, t0, t1, kv_head;
+};
+
 template <typename QT, typename KT>
 void Run(ffi::ThreadPool& pool, Problem& p, const void* q, const void* k, const void* v, void* out) {
-  const int64_t tasks = p.num_tokens * p.kv_heads;
-  ParallelFor(pool, tasks, [&](int64_t i) {
+  std::vector<Task> tasks;
+  std::vector<bool> tiled(p.num_tokens, false);
+#if defined(__AVX512F__)
+  if (p.head_dim % kLanes == 0 && p.head_dim <= kMaxBlockedDim) {
+    const int64_t tile = TileTokens(p.num_heads / p.kv_heads);
+    for (int64_t s = 0; s < p.num_seqs; ++s) {
+      const int64_t begin = std::max<int64_t>(p.query_start[s], 0);
+      const int64_t end = std::min<int64_t>(p.query_start[s + 1], p.num_tokens);
+      if (end - begin < 2 || p.context_lens[s] <= 0 || end != p.query_start[s + 1]) continue;
+      for (int64_t t0 = begin; t0 < end; t0 += tile) {
+        const int64_t t1 = std::min(end, t0 + tile);
+        for (int64_t h = 0; h < p.kv_heads; ++h) {
+          tasks.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t0), static_cast<int32_t>(t1),
+                           static_cast<int32_t>(h)});
+        }
+        std::fill(tiled.begin() + t0, tiled.begin() + t1, true);
+      }
+    }
+  }
+#endif
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    if (tiled[t]) continue;
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      tasks.push_back({-1, static_cast<int32_t>(t), static_cast<int32_t>(t + 1), static_cast<int32_t>(h)});
+    }
+  }
+  const auto* qt = static_cast<const QT*>(q);
+  const auto* kt = static_cast<const KT*>(k);
+  const auto* vt = static_cast<const KT*>(v);
+  auto* ot = static_cast<QT*>(out);
+  ParallelFor(pool, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& task = tasks[i];
+#if defined(__AVX512F__)
+    if (task.s >= 0) {
+      thread_local TileBuffers buf;
+      AttendTile<QT, KT>(p, qt, kt, vt, ot, task.s, task.t0, task.t1, task.kv_head, buf);
+      return;
+    }
+#endif
     thread_local Buffers buf;
-    AttendToken<QT, KT>(p, static_cast<const QT*>(q), static_cast<const KT*>(k), static_cast<const KT*>(v),
-                        static_cast<QT*>(out), i / p.kv_heads, i % p.kv_heads, buf);
+    AttendToken<QT, KT>(p, qt, kt, vt, ot, task.t0, task.kv_head, buf);
   });
 }
 
