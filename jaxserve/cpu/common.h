@@ -1,5 +1,5 @@
-// Shared by the CPU kernels (paged_attention.cc, matmul.cc): bfloat16 conversions and a parallel loop over XLA's
-// intra-op thread pool.
+// Shared by the CPU kernels (paged_attention.cc, matmul.cc): bfloat16 conversions, the vector types and their
+// loads, and a parallel loop over XLA's intra-op thread pool.
 
 #pragma once
 
@@ -10,6 +10,10 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -39,6 +43,46 @@ inline void FromFloat(float x, bf16_bits* out) {  // round to nearest even, as X
   bits += 0x7fffu + ((bits >> 16) & 1u);
   *out = static_cast<bf16_bits>(bits >> 16);
 }
+
+// The vector types of the kernels: one register of float32 lanes (AVX-512: 16, else 8, whatever the compiler makes
+// of 32-byte vectors without AVX2), and their loads and stores (unaligned; bfloat16 and int8 converted to float32).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t u16vec __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t u32vec __attribute__((vector_size(4 * kLanes)));
+
+inline fvec Load(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline fvec Load(const bf16_bits* p) {  // bfloat16 is float32's upper half
+  u16vec h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32vec bits = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline fvec Load(const int8_t* p) {  // GCC 12 widens int8 vector extensions element by element: intrinsics
+  fvec v;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof(v));
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof(v));
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return v;
+}
+inline void Store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 
 constexpr int kSpinsBeforeSleep = 20000;  // about 0.1-1 ms of pause instructions
 

@@ -44,43 +44,6 @@ namespace {
 
 using namespace jaxserve_cpu;
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;  // one 512-bit register of float32
-#else
-constexpr int kLanes = 8;   // AVX2 (or whatever the compiler makes of 32-byte vectors)
-#endif
-typedef float fvec __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t u16vec __attribute__((vector_size(2 * kLanes)));
-typedef uint32_t u32vec __attribute__((vector_size(4 * kLanes)));
-
-inline fvec Load(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline fvec Load(const bf16_bits* p) {  // bfloat16 is float32's upper half
-  u16vec h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32vec bits = __builtin_convertvector(h, u32vec) << 16;
-  fvec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-inline fvec Load(const int8_t* p) {  // GCC 12 widens int8 vector extensions element by element: intrinsics
-  fvec v;
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&v, &f, sizeof(v));
-#elif defined(__AVX2__)
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&v, &f, sizeof(v));
-#else
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-#endif
-  return v;
-}
-inline void Store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
-
 struct Shape {
   int64_t m, k, n;
 };

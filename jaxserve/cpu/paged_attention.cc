@@ -33,30 +33,6 @@ namespace {
 
 using namespace jaxserve_cpu;
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float fvec __attribute__((vector_size(4 * kLanes)));
-typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t u16vec __attribute__((vector_size(2 * kLanes)));
-typedef uint32_t u32vec __attribute__((vector_size(4 * kLanes)));
-
-inline fvec Load(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline fvec Load(const bf16_bits* p) {  // bfloat16 is float32's upper half
-  u16vec h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32vec bits = __builtin_convertvector(h, u32vec) << 16;
-  fvec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-inline void Store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 inline fvec Splat(float v) { return fvec{} + v; }
 inline float Sum(fvec v) {  // a tree of halvings, not a chain of kLanes dependent adds
 #if defined(__AVX512F__)
