@@ -53,3 +53,50 @@ def test_only_for_a_cpu_only_process(monkeypatch):
     assert not host_memory.cpu_only()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert host_memory.cpu_only()
+
+
+HUGE_PROBE = """
+import json, platform
+import numpy as np, jax, jax.numpy as jnp
+import jaxserve
+from jaxserve import host_memory
+
+x = jnp.asarray(np.arange(6 << 20, dtype=np.float32))  # 24 MB: at least 10 whole aligned 2 MB pages
+before = float(jnp.sum(x[::997]))
+collapsed = host_memory.huge_pages([x, jnp.ones(4)])  # the small one is skipped
+start = x.addressable_shards[0].data.unsafe_buffer_pointer()
+start = -(-start // (2 << 20)) * (2 << 20)  # the first whole huge page (the advice splits it into its own mapping)
+huge_kb, inside = 0, False
+with open("/proc/self/smaps") as fh:  # the mapping that holds it: its AnonHugePages
+    for line in fh:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head == "AnonHugePages:":
+            huge_kb = int(line.split()[1])
+mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
+    "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+print(json.dumps({"collapsed": collapsed, "nbytes": x.nbytes, "same": float(jnp.sum(x[::997])) == before,
+                  "huge_kb": huge_kb, "thp_never": "[never]" in mode, "kernel": platform.release()}))
+"""
+
+
+def huge_probe(**env) -> dict:
+    out = subprocess.run([sys.executable, "-c", HUGE_PROBE], env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+                         capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise on Linux")
+def test_resident_buffers_go_to_huge_pages():
+    """Whole aligned 2 MB pages of a buffer are collapsed where the kernel can (Linux >= 6.1, THP not `never`),
+    the data unchanged; with glibc's defaults asked for, nothing is advised."""
+    tuned, default = huge_probe(), huge_probe(JAXSERVE_HOST_MALLOC="default")
+    assert tuned["same"] and default["same"]
+    assert default["collapsed"] == 0
+    assert tuned["collapsed"] % (2 << 20) == 0 and tuned["collapsed"] <= tuned["nbytes"]
+    major, minor = (int(v) for v in tuned["kernel"].split(".")[:2])
+    if (major, minor) >= (6, 1) and not tuned["thp_never"]:
+        assert tuned["collapsed"] >= tuned["nbytes"] - 2 * (2 << 20), tuned
+        assert tuned["huge_kb"] * 1024 >= tuned["collapsed"], tuned

@@ -135,6 +135,9 @@ class EngineCore:
         self._late_masks_possible = config.async_scheduling and self.runner.mirror is None and draft is None
         self._in_flight: PendingStep | None = None
         host_memory.release()  # loading's and compiling's host buffers; the steps' stay resident from here on
+        huge = host_memory.huge_pages(self.runner.resident_arrays())  # what every step streams, in 2 MB pages
+        if huge:
+            log.info("weights and KV cache: %.0f MB in huge pages", huge / 2**20)
         self._log_ready()
 
     def _with_adapters(self, model: Llama) -> Llama:

@@ -386,6 +386,10 @@ class ModelRunner:
     def all_executables(self) -> list[Callable]:
         return [*self.executables.values(), *self.forwards.values(), *self.samplers.values()]
 
+    def resident_arrays(self) -> list[jax.Array]:
+        """The arrays every step reads and that stay put: the weights and the KV caches (donated, updated in place)."""
+        return jax.tree.leaves((self.params, self.kv, self.draft_params, self.draft_kv))
+
     def set_cache(self, kv: KVCache, draft_kv: KVCache | None = None) -> None:
         """Replaces the cache (or the abstract stand-in it was compiled against), and the draft model's; the step
         executables compiled for another page count are dropped."""
