@@ -34,8 +34,9 @@ print(json.dumps({"tuned": host_memory._libc is not None, "faults_per_call": min
 """
 
 
-def probe(**env) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+def probe(script: str = PROBE, **env) -> dict:
+    """Runs `script` in a fresh CPU-only process (the allocator is set up at import) and returns its last line."""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
                          capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,17 +83,11 @@ print(json.dumps({"collapsed": collapsed, "nbytes": x.nbytes, "same": float(jnp.
 """
 
 
-def huge_probe(**env) -> dict:
-    out = subprocess.run([sys.executable, "-c", HUGE_PROBE], env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
-                         capture_output=True, text=True, timeout=300, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise on Linux")
 def test_resident_buffers_go_to_huge_pages():
     """Whole aligned 2 MB pages of a buffer are collapsed where the kernel can (Linux >= 6.1, THP not `never`),
     the data unchanged; with glibc's defaults asked for, nothing is advised."""
-    tuned, default = huge_probe(), huge_probe(JAXSERVE_HOST_MALLOC="default")
+    tuned, default = probe(HUGE_PROBE), probe(HUGE_PROBE, JAXSERVE_HOST_MALLOC="default")
     assert tuned["same"] and default["same"]
     assert default["collapsed"] == 0
     assert tuned["collapsed"] % (2 << 20) == 0 and tuned["collapsed"] <= tuned["nbytes"]
