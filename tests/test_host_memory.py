@@ -57,7 +57,7 @@ def test_only_for_a_cpu_only_process(monkeypatch):
 
 
 HUGE_PROBE = """
-import json, platform
+import json, os, platform
 import numpy as np, jax, jax.numpy as jnp
 import jaxserve
 from jaxserve import host_memory
@@ -76,8 +76,8 @@ with open("/proc/self/smaps") as fh:  # the mapping that holds it: its AnonHugeP
             inside = lo <= start < hi
         elif inside and head == "AnonHugePages:":
             huge_kb = int(line.split()[1])
-mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if __import__("os").path.exists(
-    "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+mode = open(THP).read() if os.path.exists(THP) else "[never]"
 print(json.dumps({"collapsed": collapsed, "nbytes": x.nbytes, "same": float(jnp.sum(x[::997])) == before,
                   "huge_kb": huge_kb, "thp_never": "[never]" in mode, "kernel": platform.release()}))
 """
