@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxserve import cpu
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.llm import LLM
 from jaxserve.models.kernels import Kernels, resolve_matmul
-from jaxserve.models.llama import random_model
+from jaxserve.models.llama import pack_weights, random_model
 from jaxserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or cpu.compiler() is None,
@@ -48,6 +49,34 @@ def test_matches_the_einsum(rng, dtype, m, k, n):
         out = jax.jit(lambda x, w, s, i: cpu.matmul(x, w, i, s))(x, w, scales, jnp.int32(layer))
         assert out.shape == (m, n) and out.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (2, 130, 64), (1, 300, 128), (5, 768, 768), (17, 100, 192),
+                                   (64, 96, 128), (65, 40, 128), (200, 384, 512)])
+def test_packed_weights_match_the_einsum(rng, dtype, m, k, n):
+    """A packed weight [L, N / 64, K, 64] on every path (one row with K split over the threads, register-blocked,
+    cache-blocked), against the einsum of the weight it was packed from; unpack gives that weight back."""
+    layers = 2
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    if dtype == "int8":
+        w = jnp.asarray(rng.integers(-127, 128, (layers, k, n)), jnp.int8)
+        scales = jnp.asarray(rng.random((layers, n)) * 0.01 + 1e-3, jnp.float32)
+    else:
+        w, scales = jnp.asarray(rng.standard_normal((layers, k, n)), dtype), None
+    assert cpu.packable(w)
+    packed = cpu.pack(w)
+    assert packed.shape == (layers, n // 64, k, 64) and packed.dtype == w.dtype
+    assert (cpu.unpack(packed) == w).all()
+    for layer in range(layers):
+        ref = jnp.einsum("mk,kn->mn", x, w[layer].astype(jnp.float32), precision="highest")
+        ref = ref if scales is None else ref * scales[layer]
+        out = jax.jit(lambda x, w, s, i: cpu.matmul(x, w, i, s, m - 1 if m > 2 else None))(x, packed, scales, layer)
+        real = m - 1 if m > 2 else m
+        np.testing.assert_allclose(np.asarray(out)[:real], np.asarray(ref)[:real], rtol=1e-5,
+                                   atol=1e-4 * float(jnp.abs(ref).max()))
+        assert not np.asarray(out)[real:].any()
+    assert not cpu.packable(jnp.zeros((1, 8, 100))) and not cpu.packable(jnp.zeros((8, 128)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
@@ -138,3 +167,44 @@ def test_every_step_reads_weights_in_place(quantization):
         assert "stablehlo.dot_general" not in text, shape
     for shape, text in texts.get("xla", {}).items():
         assert cpu.MATMUL_TARGET not in text and "stablehlo.dot_general" in text, shape
+
+
+# every projection's and the LM head's output dims are whole 64-column panels: the engine packs them all
+PANELS = dataclasses.replace(TINY, vocab_size=320, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
+                             head_dim=32)
+
+
+def test_the_engine_packs_what_the_kernel_reads_and_leaves_the_model_alone():
+    model = random_model(TINY, jnp.float32, seed=3)
+    wq = np.asarray(model.layers.wq[...])
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, matmul="cpu",
+                                           xla_optimization_level=0), show_progress=False)
+    layers = engine.core.runner.params["layers"]
+    assert layers["wq"].get_metadata()["packed"] == ((64,), (4, 16))  # [layers, N / 64, K, 64]
+    assert layers["wq"][...].shape == (3, 1, 64, 64)
+    assert "packed" not in layers["wk"].get_metadata()  # 2 x 16 outputs: not whole panels
+    np.testing.assert_array_equal(np.asarray(model.layers.wq[...]), wq)  # the caller's model is as it was
+    assert not model.layers.wq[...].is_deleted()
+    packed = pack_weights(model, engine.core.kernels, release=True)  # an owner's: the originals go
+    assert model.layers.wq[...].is_deleted() and not model.layers.wk[...].is_deleted()
+    assert packed.layers.wq.get_metadata()["packed"] and packed.layers.wk[...] is model.layers.wk[...]
+    assert pack_weights(packed, Kernels.resolve("xla", "xla")) is packed  # no layout to pack for
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_packed_engine_generates_what_xla_does(quantization):
+    """Every weight packed (PANELS), float32 and int8: greedy tokens as with matmul=xla, decode and prompt steps."""
+    cfg = dataclasses.replace(PANELS, quantization=quantization)
+    prompts = [[5, 9, 13, 40, 2], [7, 7, 8], [(7 * i) % 300 + 3 for i in range(80)]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for matmul in ("cpu", "xla"):
+        engine = LLMEngine(random_model(cfg, jnp.float32, seed=5),
+                           EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, matmul=matmul,
+                                        xla_optimization_level=0), show_progress=False)
+        weights = jax.tree.leaves(engine.core.runner.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        packed = [w for w in weights if w.get_metadata().get("packed")]
+        assert len(packed) == (8 if matmul == "cpu" else 0)  # 7 projections and the LM head
+        llm = LLM(engine=engine, show_progress=False)
+        outputs[matmul] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs["cpu"] == outputs["xla"]

@@ -63,21 +63,44 @@ def paged_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer:
                 softcap=np.float32(softcap or 0.0))
 
 
+PACK_COLUMNS = 64  # a packed weight's panel width (matmul.cc kPackCols)
+
+
+def packable(w) -> bool:
+    """Whether a stacked weight [L, K, N] can be packed: N is whole panels."""
+    return w.ndim == 3 and w.shape[2] % PACK_COLUMNS == 0
+
+
+@jax.jit
+def pack(w: jax.Array) -> jax.Array:
+    """[L, K, N] -> [L, N / 64, K, 64]: each 64 columns' K rows contiguous, the layout matmul streams fastest (one
+    sequential run per panel instead of K short runs N apart; see matmul.cc). A new array; w is left as it is."""
+    layers, k, n = w.shape
+    return w.reshape(layers, k, n // PACK_COLUMNS, PACK_COLUMNS).transpose(0, 2, 1, 3)
+
+
+def unpack(w: jax.Array) -> jax.Array:
+    """pack's inverse: [L, N / 64, K, 64] -> [L, K, N]."""
+    layers, panels, k, cols = w.shape
+    return w.transpose(0, 2, 1, 3).reshape(layers, k, panels * cols)
+
+
 def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None, rows=None) -> jax.Array:
-    """x [M, K] @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight w [L, K, N] in place (a
-    [K, N] weight is one layer). Float32 or bfloat16 weights; int8 weights with scales [L, N] (or [N]) per output
-    channel. `rows` (an int or int32 scalar, None: M): x's leading rows to multiply; the others are a step's
-    padding and come back as zeros, at no cost. Needs `available()`."""
+    """x [M, K] @ w[layer] -> [M, N] float32, reading the layer's slice of a stacked weight in place: w [L, K, N], or
+    packed [L, N / 64, K, 64] (`pack`; faster), or [K, N] (one layer). Float32 or bfloat16 weights; int8 weights with
+    scales [L, N] (or [N]) per output channel. `rows` (an int or int32 scalar, None: M): x's leading rows to
+    multiply; the others are a step's padding and come back as zeros, at no cost. Needs `available()`."""
     if not available():
         raise RuntimeError("the CPU kernels could not be built; use matmul='xla'")
-    w = w if w.ndim == 3 else w[None]
+    w = w if w.ndim >= 3 else w[None]
+    n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]
     if w.dtype == jnp.int8:
         if scales is None:
             raise ValueError("int8 weights need their per-channel scales")
-        scales = scales.astype(jnp.float32).reshape(w.shape[0], w.shape[2])
+        scales = scales.astype(jnp.float32).reshape(w.shape[0], n)
     else:
         scales = jnp.zeros((1, 1), jnp.float32)
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(1)
     return call(x, w, scales, jnp.asarray(layer, jnp.int32).reshape(1), rows)
 

@@ -47,7 +47,7 @@ from jaxserve.lora.adapter import LoraError, read_adapter
 from jaxserve.lora.registry import AdapterRegistry, LoraInfo, LoraInUseError, parse_lora_module
 from jaxserve.lora.slots import AdapterSlots
 from jaxserve.models.kernels import Kernels
-from jaxserve.models.llama import Llama, numpy_dtype
+from jaxserve.models.llama import Llama, numpy_dtype, pack_weights
 from jaxserve.outputs import OutputKind, RequestOutput, TokenLogprob
 from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
@@ -79,9 +79,10 @@ class EngineCore:
 
     def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
                  show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, metered: bool = True,
-                 draft: Llama | None = None):
+                 draft: Llama | None = None, owns_model: bool = False):
         """`draft`: the draft model of --speculative-method draft, when the caller has it in memory (otherwise
-        read from config.speculative_model)."""
+        read from config.speculative_model). `owns_model`: nobody else holds `model` (from_model_dir), so weights
+        the engine stores in another layout (pack_weights) free their originals as they go."""
         self.config = config
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -94,7 +95,11 @@ class EngineCore:
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(self._with_adapters(model), self.sharder)
         model.cfg = model.cfg.for_context(self.max_model_len)  # LongRoPE picks its factors once, for this length
+        given_draft = draft
         draft = self._draft(model, draft, tokenizer)
+        # the CPU kernel's layout for the weights it reads every step, before free memory is measured
+        model = pack_weights(model, self.kernels, release=owns_model)
+        draft = None if draft is None else pack_weights(draft, self.kernels, release=given_draft is None)
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
@@ -252,7 +257,7 @@ class EngineCore:
         sharder = model_sharder(model_cfg, mesh, numpy_dtype(dtype))
         model = load_model(model_dir, dtype=dtype, sharding_for=sharder.sharding)
         tokenizer = load_tokenizer(model_dir, model_type=model_cfg.family)
-        return cls(model, config, tokenizer, show_progress=show_progress, mesh=mesh)
+        return cls(model, config, tokenizer, show_progress=show_progress, mesh=mesh, owns_model=True)
 
     def _plan_kv(self, free: int, temporaries: int) -> KVPlan:
         """Pages of the KV cache: what fits on the fullest device of the mesh beside the step executables'

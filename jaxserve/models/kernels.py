@@ -67,6 +67,9 @@ class Kernels:
     stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
     # products with weights stored in one of stacked_dtypes go to stacked_matmul
     stacked_dtypes: tuple[str, ...] = ()
+    # stacked [layers, K, N] -> the layout stacked_matmul streams fastest, None where the shape does not allow (the
+    # engine packs the weights it reads once, at build: jaxserve.models.llama.pack_weights); None: no such layout
+    pack: Callable | None = dataclasses.field(default=None, repr=False)
     grouped_matmul: Callable = dataclasses.field(default=moe.grouped_matmul, repr=False)  # MoE experts
 
     @classmethod
@@ -79,7 +82,7 @@ class Kernels:
         stacked = matmul_name == "cpu"
         return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
                    matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmul if stacked else None,
-                   stacked_dtypes=CPU_MATMUL_DTYPES if stacked else ())
+                   stacked_dtypes=CPU_MATMUL_DTYPES if stacked else (), pack=_cpu_pack if stacked else None)
 
     def reads_stacked(self, weight_dtype="float32") -> bool:
         """Whether products with weights stored as `weight_dtype` run on stacked_matmul (then the layer scan leaves
@@ -153,6 +156,10 @@ def _cpu_attention(q, cache: KVCache, layer, meta: AttentionMetadata, *, scale, 
     """Decode included: a decode step's query_start is arange(S + 1)."""
     return cpu.paged_attention(q, cache.k, cache.v, layer, meta.block_tables, meta.context_lens, meta.query_start,
                                scale=scale, sliding_window=sliding_window, softcap=softcap)
+
+
+def _cpu_pack(w):
+    return cpu.pack(w) if cpu.packable(w) else None
 
 
 def _xla_matmul(x, values, scales, zeros=None, *, scheme):

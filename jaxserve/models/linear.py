@@ -4,7 +4,8 @@
 
 Inside the layer scan a product can take the layer's weight still stacked [layers, ...] with its `layer` index,
 when the kernels read stacked weights in place (`kernels.reads_stacked(dtype)`, the C++ CPU kernel):
-then the weight is viewed as [layers, K, N] (a free reshape) and never sliced out. Otherwise a float weight is one
+then the weight is viewed as [layers, K, N] (a free reshape) and never sliced out, or it was stored packed in the
+kernel's own layout once, when the engine was built (`pack_stacked`). Otherwise a float weight is one
 einsum. A QuantizedWeight (int8 / int4 / fp8, with zero points and act-order where the scheme says; layouts in
 `jaxserve.quant.schemes`) is multiplied as a matrix: x's trailing `contract` dims are flattened to K, the weight is
 viewed as [K, N] (free reshapes), act-order gathers x's columns by the stored permutation, and the product runs
@@ -67,7 +68,7 @@ def dense(x: jax.Array, weight, spec: str, out_dtype=None, kernels: Kernels = XL
     weight is stacked [layers, ...] and this layer's slice is meant (the layer scan leaves it stacked only when
     kernels.reads_stacked); then `rows` (int32 scalar, None: all) may say how many of x's leading rows are real,
     the rest padding whose products are zeros."""
-    if layer is not None:
+    if layer is not None or packed_dims(weight) is not None:
         out = stacked_dense(x, weight, spec, kernels, layer, rows)
     elif isinstance(weight, QuantizedWeight):
         out = _quantized_dense(x, weight, spec, kernels)
@@ -108,19 +109,48 @@ def stored_dtype(weight):
 
 def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None, rows=None) -> jax.Array:
     """x [..., K dims] @ weight[layer] [K dims, N dims] -> float32 by kernels.stacked_matmul on the weight's
-    [layers, K, N] view; `layer=None`: the weight is not stacked (one layer). `rows`: x's leading rows (flattened
-    to [M, K]) that are real, the others' products zeros (None: all)."""
+    [layers, K, N] view, or on its packed values (`pack_stacked`); `layer=None`: the weight is not stacked (one
+    layer). `rows`: x's leading rows (flattened to [M, K]) that are real, the others' products zeros (None: all)."""
     quantized = isinstance(weight, QuantizedWeight)
     values = weight.values[...] if quantized else weight[...]
-    if layer is None:
-        values, layer = values[None], 0
-    contract = weight.contract if quantized else contraction_dims(spec)
-    check_matrix_spec(spec, contract)
-    k_dims, n_dims = values.shape[1:1 + contract], values.shape[1 + contract:]
+    packed = packed_dims(weight)
+    if packed is not None:  # [layers, panels, K, panel columns]: the kernel reads it as it is
+        k_dims, n_dims = packed
+        if layer is None:  # one layer, or one sliced out of the stack
+            values, layer = values if values.ndim == 4 else values[None], 0
+    else:
+        if layer is None:
+            values, layer = values[None], 0
+        contract = weight.contract if quantized else contraction_dims(spec)
+        k_dims, n_dims = values.shape[1:1 + contract], values.shape[1 + contract:]
+    check_matrix_spec(spec, len(k_dims))
     k, n = math.prod(k_dims), math.prod(n_dims)
+    if packed is None:
+        values = values.reshape(values.shape[0], k, n)
     scales = weight.scales[...].reshape(values.shape[0], n) if quantized else None
-    out = kernels.stacked_matmul(x.reshape(-1, k), values.reshape(values.shape[0], k, n), layer, scales, rows)
-    return out.reshape(x.shape[:x.ndim - contract] + tuple(n_dims))
+    out = kernels.stacked_matmul(x.reshape(-1, k), values, layer, scales, rows)
+    return out.reshape(x.shape[:x.ndim - len(k_dims)] + tuple(n_dims))
+
+
+def packed_dims(weight) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(K dims, N dims) of a weight whose values are stored packed (`pack_stacked`), else None."""
+    variable = weight.values if isinstance(weight, QuantizedWeight) else weight
+    return variable.get_metadata().get("packed") if isinstance(variable, nnx.Variable) else None
+
+
+def pack_stacked(variable: nnx.Variable, contract: int, stacked: bool, pack) -> nnx.Variable:
+    """A weight's values (a float weight's Param, or a QuantizedWeight's `values`) as `pack` stores them for the
+    kernel that reads them in place (kernels.pack: [layers, K, N] -> its layout, None where the shape does not
+    allow), with their K and N dims kept in the metadata `packed` for stacked_dense; the variable as it is when
+    `pack` declines. `stacked`: the values have a leading layer dim (an LM head has none: it becomes one layer).
+    A new variable; `variable` and its array are left as they were."""
+    values = variable[...]
+    values = values if stacked else values[None]
+    k_dims, n_dims = values.shape[1:1 + contract], values.shape[1 + contract:]
+    packed = pack(values.reshape(values.shape[0], math.prod(k_dims), math.prod(n_dims)))
+    if packed is None:
+        return variable
+    return variable.replace(packed, packed=(tuple(k_dims), tuple(n_dims)))
 
 
 def contraction_dims(spec: str) -> int:

@@ -32,7 +32,7 @@ from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import layers, moe, rope
 from jaxserve.models.attention import attend_paged, reference_attention
 from jaxserve.models.kernels import XLA, Kernels
-from jaxserve.models.linear import QuantizedWeight, read_in_place, stacked_dense, stored_dtype
+from jaxserve.models.linear import QuantizedWeight, pack_stacked, read_in_place, stacked_dense, stored_dtype
 from jaxserve.models.linear import dense as _dense
 from jaxserve.quant import schemes
 from jaxserve.quant.kv import dequantize_kv, quantize_kv
@@ -275,6 +275,11 @@ class Llama(nnx.Module):
                      if hasattr(self.layers, name) and read_in_place(weight := getattr(self.layers, name))
                      and kernels.reads_stacked(stored_dtype(weight)))
 
+    def _lm_head_in_place(self, kernels: Kernels) -> bool:
+        """Whether kernels.stacked_matmul reads the (untied) LM head in place."""
+        return (not self.cfg.tie_word_embeddings and read_in_place(self.lm_head)
+                and kernels.reads_stacked(stored_dtype(self.lm_head)))
+
     def _scan_layers(self, body, carry, keep_stacked: tuple[str, ...] = ()):
         """Runs body(layer_module, carry, layer_index) -> carry over the stacked layers with lax.scan. The weights
         named in `keep_stacked` stay whole [layers, ...] in the layer module (read in place by a kernel)."""
@@ -300,11 +305,41 @@ class Llama(nnx.Module):
         h = layers.rms_norm(hidden, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
         if self.cfg.tie_word_embeddings:
             logits = jnp.einsum("...e,ve->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-        elif read_in_place(self.lm_head) and kernels.reads_stacked(stored_dtype(self.lm_head)):
+        elif self._lm_head_in_place(kernels):
             logits = stacked_dense(h, self.lm_head, "...e,ev->...v", kernels, rows=rows)  # [hidden, vocab]: one "layer"
         else:
             logits = _dense(h, self.lm_head, "...e,ev->...v", out_dtype=jnp.float32, kernels=kernels)
         return layers.softcap(logits, self.cfg.final_logit_softcapping)
+
+
+def pack_weights(model: Llama, kernels: Kernels, release: bool = False) -> Llama:
+    """A copy of `model` whose weights kernels.stacked_matmul reads in place are stored in the layout it streams
+    fastest (kernels.pack, jaxserve.cpu.pack) where their shapes allow: what a CPU engine reads every step, read in
+    long sequential runs. The copy's __call__ and logits run with these kernels only (forward_dense and other kernels
+    want the plain layout: use `model`). `model` keeps its arrays, unless `release`: then each packed weight's
+    original is freed as soon as its copy exists (for a caller that holds no other reference to the model, like an
+    engine that loaded it), so the weights are never in memory twice over."""
+    if kernels.pack is None:
+        return model
+    packed = nnx.clone(model)  # new modules over the same arrays
+    specs = weight_specs(model.cfg)
+    targets = [(packed.layers, name, specs[f"layers/{name}"].contract, True) for name in model._read_in_place(kernels)]
+    if model._lm_head_in_place(kernels):
+        targets.append((packed, "lm_head", specs["lm_head"].contract, False))
+    for owner, name, contract, stacked in targets:
+        weight = getattr(owner, name)
+        quantized = isinstance(weight, QuantizedWeight)
+        variable = weight.values if quantized else weight
+        new = pack_stacked(variable, weight.contract if quantized else contract, stacked, kernels.pack)
+        if new is variable:
+            continue
+        if quantized:
+            weight.values = new
+        else:
+            setattr(owner, name, new)
+        if release:
+            variable[...].delete()
+    return packed
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:
