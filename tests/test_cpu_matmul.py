@@ -150,9 +150,9 @@ def test_engine_generates_what_xla_does(quantization):
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_every_step_reads_weights_in_place(quantization):
-    """Decode and prompt steps alike: every projection goes through the kernel, and the LM head too (float32,
-    unquantized in both models), so no weight slice is copied out and no XLA dot is left; with matmul=xla there
-    are XLA dots (what this test looks for is there to find: checked once, on the float model)."""
+    """Decode and prompt steps alike: every projection goes through the kernel (q, k and v in one call, gate and up
+    in another), and the LM head too (float32, unquantized in both models), so no weight slice is copied out and no
+    XLA dot is left; with matmul=xla there are XLA dots (what this test looks for is there to find: checked once, on the float model)."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
     texts = {}
     for matmul in ("cpu", "xla") if quantization is None else ("cpu",):
@@ -162,8 +162,8 @@ def test_every_step_reads_weights_in_place(quantization):
         texts[matmul] = {shape: runner._lower_step(shape).as_text() for shape in runner.buckets.shapes()}
     assert {(shape.kind, shape.tokens) for shape in texts["cpu"]} >= {("decode", 1), ("decode", 128),
                                                                       ("prefill", 16), ("prefill", 128)}
-    for shape, text in texts["cpu"].items():  # q k v o gate up down in the scan body + the LM head (a prompt
-        assert text.count(cpu.MATMUL_TARGET) >= 8, shape  # step has a second one for prompt logprobs)
+    for shape, text in texts["cpu"].items():  # q|k|v o gate|up down in the scan body + the LM head (a prompt
+        assert text.count(cpu.MATMUL_TARGET) >= 5, shape  # step has a second one for prompt logprobs)
         assert "stablehlo.dot_general" not in text, shape
     for shape, text in texts.get("xla", {}).items():
         assert cpu.MATMUL_TARGET not in text and "stablehlo.dot_general" in text, shape

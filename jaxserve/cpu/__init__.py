@@ -90,19 +90,29 @@ def matmul(x: jax.Array, w: jax.Array, layer, scales: jax.Array | None = None, r
     packed [L, N / 64, K, 64] (`pack`; faster), or [K, N] (one layer). Float32 or bfloat16 weights; int8 weights with
     scales [L, N] (or [N]) per output channel. `rows` (an int or int32 scalar, None: M): x's leading rows to
     multiply; the others are a step's padding and come back as zeros, at no cost. Needs `available()`."""
+    return matmuls(x, [(w, scales)], layer, rows)[0]
+
+
+def matmuls(x: jax.Array, weights, layer, rows=None) -> list[jax.Array]:
+    """[x @ w[layer] for (w, scales) in weights] in one call (as `matmul`, each weight its own layout and dtype):
+    a decode step's q, k and v products, or gate and up, wait for the threads once instead of once each."""
     if not available():
         raise RuntimeError("the CPU kernels could not be built; use matmul='xla'")
-    w = w if w.ndim >= 3 else w[None]
-    n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]
-    if w.dtype == jnp.int8:
-        if scales is None:
-            raise ValueError("int8 weights need their per-channel scales")
-        scales = scales.astype(jnp.float32).reshape(w.shape[0], n)
-    else:
-        scales = jnp.zeros((1, 1), jnp.float32)
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    operands, outputs = [], []
+    for w, scales in weights:
+        w = w if w.ndim >= 3 else w[None]
+        n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]
+        if w.dtype == jnp.int8:
+            if scales is None:
+                raise ValueError("int8 weights need their per-channel scales")
+            scales = scales.astype(jnp.float32).reshape(w.shape[0], n)
+        else:
+            scales = jnp.zeros((1, 1), jnp.float32)
+        operands += [w, scales]
+        outputs.append(jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    call = jax.ffi.ffi_call(MATMUL_TARGET, outputs)
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(1)
-    return call(x, w, scales, jnp.asarray(layer, jnp.int32).reshape(1), rows)
+    return list(call(x, jnp.asarray(layer, jnp.int32).reshape(1), rows, *operands))
 
 
 def supports(cache_dtype) -> bool:

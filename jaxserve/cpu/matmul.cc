@@ -3,12 +3,14 @@
 // copies a dynamically indexed slice out before its dot).
 //
 //   x       [M, K]          float32 | bfloat16
+//   layer   int32 [1]       the slice of each w to use
+//   rows    int32 [1]       x's leading rows to multiply (a step's real tokens); the rest are padding, the outputs'
+//                           rows for them zeros
+// then, for each weight x is multiplied by (one call can take a layer's q, k and v, say):
 //   w       [L, K, N]       float32 | bfloat16 | int8          (row-major: K rows of N outputs)
 //        or [L, N / 64, K, 64]                                  (packed: panels of 64 columns, each K rows long)
 //   scales  [L, N]          float32, int8 weights only (per output channel; out = (x . w) * scale)
-//   layer   int32 [1]       the slice of w to use
-//   rows    int32 [1]       x's leading rows to multiply (a step's real tokens); the rest are padding, out's rows
-//                           for them zeros
+// and its output
 //   out     [M, N]          float32
 //
 // A packed weight (pack() in __init__.py, made once when an engine is built) holds each 64 columns' K rows
@@ -311,6 +313,18 @@ void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0,
                        float* acc, int64_t acc_stride) {
   const int64_t nb = n1 - n0;
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
+  // One tile of x on a packed weight: panel by panel, each walked down all its rows, one sequential run the
+  // prefetchers follow (band-ahead prefetching measured slower here). More tiles read x's rows once a band per
+  // panel: band by band, below, so that x's band stays in L1 across the panels.
+  if (s.packed && s.m <= kMR) {
+    for (int64_t j = 0; j < nb; j += kNR * kLanes) {
+      for (int64_t kb = k0; kb < k1; kb += kKC) {
+        Panel<kNR>(s, xp, kb, At(s, w, kb, n0 + j), std::min(kKC, k1 - kb), static_cast<const WT*>(nullptr), acc + j,
+                   acc_stride);
+      }
+    }
+    return;
+  }
   for (int64_t kb = k0; kb < k1; kb += kKC) {
     const int64_t kc = std::min(kKC, k1 - kb);
     // the next band, prefetched while this one is worked (none past the task's rows)
@@ -501,91 +515,153 @@ void RunGemm(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w,
   });
 }
 
+// One weight's product in a call (a call multiplies x by one or more weights: a layer's q, k and v, or its gate and
+// up projections): the layer's slice, its output, and the task grid its columns (and rows of K) are cut into.
+struct Product {
+  Shape s;
+  ffi::DataType type;
+  const void* w;        // the layer's slice
+  const float* scales;  // int8: per output channel
+  float* out;           // [M, N]
+  bool blocked;         // register-blocked tasks (else streaming)
+  Grid g;
+  float* partial;       // [k_splits, M, N] when the grid splits K
+  int64_t first_task;   // the call's tasks [first_task, first_task + tasks) are this product's
+  int64_t tasks() const { return g.col_blocks * g.k_splits; }
+};
+
 template <typename WT>
-void Run(ffi::ThreadPool& pool, const Shape& s, const float* x, const WT* w, const float* scales, float* out) {
-  if (s.m > kMaxRows) return RunGemm(pool, s, x, w, scales, out);
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const bool blocked = s.packed || s.m > (sizeof(WT) == sizeof(float) ? kMaxStreamedRows : 0);
-  const Grid g = blocked ? MakeBlockedGrid(s, workers) : MakeGrid(s, sizeof(WT), workers);
-  float* xp = nullptr;
-  if (blocked) {
-    xp = Scratch<3>((s.m + kMR - 1) / kMR * kMR * s.k);
-    PackRows(s, x, xp);
+void RunTask(const Product& p, const float* x, const float* xp, int64_t task) {
+  const Shape& s = p.s;
+  const Grid& g = p.g;
+  const WT* w = static_cast<const WT*>(p.w);
+  const int64_t n0 = task % g.col_blocks * g.nb, nb = std::min(g.nb, s.n - n0);
+  const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split, k1 = std::min(s.k, k0 + g.k_per_split);
+  // acc rows kLanes apart from a multiple of 4 KB: rows at 4 KB strides would alias in L1 and stall the stores
+  const int64_t stride = g.nb + kLanes;
+  float* acc;
+  alignas(64) float local[kAccFloats + kMaxStreamedRows * kLanes];
+  if (p.blocked) {
+    acc = Scratch<2>(s.m * stride);
+    AccumulateBlocked(s, xp, w, k0, k1, n0, n0 + nb, acc, stride);
+  } else {
+    acc = local;
+    Accumulate(s, x, w, k0, k1, n0, n0 + nb, acc, stride);
   }
-  float* partial = Scratch<1>(g.k_splits > 1 ? g.k_splits * s.m * s.n : 0);  // [k_splits, M, N]
-  ParallelFor(pool, g.col_blocks * g.k_splits, [&](int64_t task) {
-    const int64_t n0 = task % g.col_blocks * g.nb, nb = std::min(g.nb, s.n - n0);
-    const int64_t split = task / g.col_blocks, k0 = split * g.k_per_split, k1 = std::min(s.k, k0 + g.k_per_split);
-    // acc rows kLanes apart from a multiple of 4 KB: rows at 4 KB strides would alias in L1 and stall the stores
-    const int64_t stride = g.nb + kLanes;
-    float* acc;
-    alignas(64) float local[kAccFloats + kMaxStreamedRows * kLanes];
-    if (blocked) {
-      acc = Scratch<2>(s.m * stride);
-      AccumulateBlocked(s, xp, w, k0, k1, n0, n0 + nb, acc, stride);
-    } else {
-      acc = local;
-      Accumulate(s, x, w, k0, k1, n0, n0 + nb, acc, stride);
-    }
-    if (g.k_splits == 1) {
-      Write(s, acc, stride, scales, out, n0, nb);
-    } else {
-      Write(s, acc, stride, nullptr, partial + split * s.m * s.n, n0, nb);
-    }
-  });
-  if (g.k_splits == 1) return;
-  for (int64_t i = 0; i < s.m * s.n; ++i) {
-    float sum = partial[i];
-    for (int64_t split = 1; split < g.k_splits; ++split) sum += partial[split * s.m * s.n + i];
-    out[i] = scales != nullptr ? sum * scales[i % s.n] : sum;
+  if (g.k_splits == 1) {
+    Write(s, acc, stride, p.scales, p.out, n0, nb);
+  } else {
+    Write(s, acc, stride, nullptr, p.partial + split * s.m * s.n, n0, nb);
   }
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
-                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
-                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  const bool packed = wd.size() == 4;
-  if (xd.size() != 2 || !(wd.size() == 3 && xd[1] == wd[1]) && !(packed && xd[1] == wd[2] && wd[3] == kPackCols)) {
-    return ffi::Error::InvalidArgument("cpu matmul: expected x [M, K] and w [L, K, N] or [L, N / 64, K, 64]");
+int64_t WeightBytes(ffi::DataType type) { return type == ffi::F32 ? 4 : type == ffi::BF16 ? 2 : 1; }
+
+// out = x @ w (times scales) for every product, M rows of x alike. Up to kMaxRows rows the products' tasks go to the
+// pool together, so a few small weights cost one wait for the threads rather than one each; more rows (a prompt
+// step, bound by multiply-adds) run the products one after the other.
+void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& products) {
+  const int64_t m = products[0].s.m, k = products[0].s.k;
+  if (m > kMaxRows) {
+    for (const Product& p : products) {
+      switch (p.type) {
+        case ffi::F32: RunGemm(pool, p.s, x, static_cast<const float*>(p.w), p.scales, p.out); break;
+        case ffi::BF16: RunGemm(pool, p.s, x, static_cast<const bf16_bits*>(p.w), p.scales, p.out); break;
+        default: RunGemm(pool, p.s, x, static_cast<const int8_t*>(p.w), p.scales, p.out); break;
+      }
+    }
+    return;
   }
-  // the padding rows past `rows` are not multiplied: s.m counts the real ones
-  const Shape s{std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), xd[1], packed ? wd[1] * wd[3] : wd[2], packed};
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) {
-    return ffi::Error::InvalidArgument("cpu matmul: layer out of range");
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  int64_t tasks = 0, partials = 0;
+  bool any_blocked = false;
+  for (Product& p : products) {
+    p.blocked = p.s.packed || m > (p.type == ffi::F32 ? kMaxStreamedRows : 0);
+    p.g = p.blocked ? MakeBlockedGrid(p.s, workers) : MakeGrid(p.s, WeightBytes(p.type), workers);
+    p.first_task = tasks;
+    tasks += p.tasks();
+    partials += p.g.k_splits > 1 ? p.g.k_splits * m * p.s.n : 0;
+    any_blocked |= p.blocked;
   }
-  const bool int8 = w.element_type() == ffi::S8;
-  if (int8 && (scales.dimensions().size() != 2 || scales.dimensions()[1] != s.n)) {
-    return ffi::Error::InvalidArgument("cpu matmul: int8 weights need scales [L, N]");
+  float* xp = nullptr;
+  if (any_blocked) {
+    xp = Scratch<3>((m + kMR - 1) / kMR * kMR * k);
+    PackRows(products[0].s, x, xp);
+  }
+  float* partial = Scratch<1>(partials);
+  for (Product& p : products) {
+    p.partial = partial;
+    partial += p.g.k_splits > 1 ? p.g.k_splits * m * p.s.n : 0;
+  }
+  ParallelFor(pool, tasks, [&](int64_t task) {
+    size_t i = 0;
+    while (task >= products[i].first_task + products[i].tasks()) ++i;
+    const Product& p = products[i];
+    switch (p.type) {
+      case ffi::F32: RunTask<float>(p, x, xp, task - p.first_task); break;
+      case ffi::BF16: RunTask<bf16_bits>(p, x, xp, task - p.first_task); break;
+      default: RunTask<int8_t>(p, x, xp, task - p.first_task); break;
+    }
+  });
+  for (const Product& p : products) {
+    if (p.g.k_splits == 1) continue;
+    const int64_t size = m * p.s.n;
+    for (int64_t i = 0; i < size; ++i) {
+      float sum = p.partial[i];
+      for (int64_t split = 1; split < p.g.k_splits; ++split) sum += p.partial[split * size + i];
+      p.out[i] = p.scales != nullptr ? sum * p.scales[i % p.s.n] : sum;
+    }
+  }
+}
+
+// The weights and their scales come in pairs after x, layer and rows; one output a pair.
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                      ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || weights.size() == 0 || weights.size() != 2 * outs.size()) {
+    return ffi::Error::InvalidArgument("cpu matmul: expected x [M, K], then (w, scales) pairs, one output each");
+  }
+  // the padding rows past `rows` are not multiplied: m counts the real ones
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), l = layer.typed_data()[0];
+  std::vector<Product> products;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(2 * i);
+    auto scales = weights.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !scales.has_value() || !out.has_value()) {
+      return ffi::Error::InvalidArgument("cpu matmul: a weight, its scales or its output has the wrong type");
+    }
+    auto wd = w->dimensions();
+    const bool packed = wd.size() == 4;
+    if (!(wd.size() == 3 && xd[1] == wd[1]) && !(packed && xd[1] == wd[2] && wd[3] == kPackCols)) {
+      return ffi::Error::InvalidArgument("cpu matmul: expected w [L, K, N] or [L, N / 64, K, 64] for x [M, K]");
+    }
+    if (l < 0 || l >= wd[0]) {
+      return ffi::Error::InvalidArgument("cpu matmul: layer out of range");
+    }
+    const Shape s{m, xd[1], packed ? wd[1] * wd[3] : wd[2], packed};
+    const ffi::DataType type = w->element_type();
+    if (type != ffi::F32 && type != ffi::BF16 && type != ffi::S8) {
+      return ffi::Error::InvalidArgument("cpu matmul: w must be float32, bfloat16 or int8");
+    }
+    if (type == ffi::S8 && (scales->dimensions().size() != 2 || scales->dimensions()[1] != s.n)) {
+      return ffi::Error::InvalidArgument("cpu matmul: int8 weights need scales [L, N]");
+    }
+    float* o = (*out)->typed_data();
+    std::fill(o + m * s.n, o + xd[0] * s.n, 0.0f);
+    const char* slice = static_cast<const char*>(w->untyped_data()) + l * s.k * s.n * WeightBytes(type);
+    products.push_back(Product{s, type, slice, type == ffi::S8 ? scales->typed_data() + l * s.n : nullptr, o});
   }
   const float* xf = static_cast<const float*>(x.untyped_data());  // float32 rows are read where they are
   if (x.element_type() == ffi::BF16) {  // bfloat16 rows in float32 once, not once per task
-    const bf16_bits* xp = static_cast<const bf16_bits*>(x.untyped_data());
-    float* converted = Scratch<0>(s.m * s.k);
-    for (int64_t i = 0; i < s.m * s.k; ++i) converted[i] = ToFloat(xp[i]);
+    const bf16_bits* xb = static_cast<const bf16_bits*>(x.untyped_data());
+    float* converted = Scratch<0>(m * xd[1]);
+    for (int64_t i = 0; i < m * xd[1]; ++i) converted[i] = ToFloat(xb[i]);
     xf = converted;
   } else if (x.element_type() != ffi::F32) {
     return ffi::Error::InvalidArgument("cpu matmul: x must be float32 or bfloat16");
   }
-  const int64_t slice = s.k * s.n;
-  float* o = out->typed_data();
-  std::fill(o + s.m * s.n, o + xd[0] * s.n, 0.0f);
-  if (s.m == 0) return ffi::Error::Success();
-  switch (w.element_type()) {
-    case ffi::F32:
-      Run(pool, s, xf, static_cast<const float*>(w.untyped_data()) + l * slice, nullptr, o);
-      break;
-    case ffi::BF16:
-      Run(pool, s, xf, static_cast<const bf16_bits*>(w.untyped_data()) + l * slice, nullptr, o);
-      break;
-    case ffi::S8:
-      Run(pool, s, xf, static_cast<const int8_t*>(w.untyped_data()) + l * slice,
-          scales.typed_data() + l * s.n, o);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("cpu matmul: w must be float32, bfloat16 or int8");
-  }
+  if (m > 0) RunProducts(pool, xf, products);
   return ffi::Error::Success();
 }
 
@@ -595,9 +671,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::AnyBuffer>()         // w
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .RemainingArgs()               // (w, scales) for each product
+                                  .RemainingRets()               // out for each product
 );

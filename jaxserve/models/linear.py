@@ -111,6 +111,24 @@ def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None,
     """x [..., K dims] @ weight[layer] [K dims, N dims] -> float32 by kernels.stacked_matmul on the weight's
     [layers, K, N] view, or on its packed values (`pack_stacked`); `layer=None`: the weight is not stacked (one
     layer). `rows`: x's leading rows (flattened to [M, K]) that are real, the others' products zeros (None: all)."""
+    values, scales, layer, k_dims, n_dims = _stacked_operand(weight, spec, layer)
+    out = kernels.stacked_matmul(x.reshape(-1, math.prod(k_dims)), values, layer, scales, rows)
+    return out.reshape(x.shape[:x.ndim - len(k_dims)] + tuple(n_dims))
+
+
+def stacked_dense_group(x: jax.Array, weights, spec: str, kernels: Kernels, layer, rows=None) -> list[jax.Array]:
+    """[stacked_dense(x, w, spec, ...) for w in weights] in one kernels.stacked_matmuls call (a layer's q, k and v,
+    or its gate and up: a decode step waits for the kernel's threads once for them)."""
+    operands = [_stacked_operand(weight, spec, layer) for weight in weights]
+    k_dims = operands[0][3]
+    pairs = [(values, scales) for values, scales, *_ in operands]
+    outs = kernels.stacked_matmuls(x.reshape(-1, math.prod(k_dims)), pairs, layer, rows)
+    return [out.reshape(x.shape[:x.ndim - len(k_dims)] + tuple(n_dims))
+            for out, (*_, n_dims) in zip(outs, operands, strict=True)]
+
+
+def _stacked_operand(weight, spec: str, layer):
+    """(values [L, K, N] or packed, scales [L, N] | None, layer, K dims, N dims) of a weight read in place."""
     quantized = isinstance(weight, QuantizedWeight)
     values = weight.values[...] if quantized else weight[...]
     packed = packed_dims(weight)
@@ -124,12 +142,11 @@ def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None,
         contract = weight.contract if quantized else contraction_dims(spec)
         k_dims, n_dims = values.shape[1:1 + contract], values.shape[1 + contract:]
     check_matrix_spec(spec, len(k_dims))
-    k, n = math.prod(k_dims), math.prod(n_dims)
+    n = math.prod(n_dims)
     if packed is None:
-        values = values.reshape(values.shape[0], k, n)
+        values = values.reshape(values.shape[0], math.prod(k_dims), n)
     scales = weight.scales[...].reshape(values.shape[0], n) if quantized else None
-    out = kernels.stacked_matmul(x.reshape(-1, k), values, layer, scales, rows)
-    return out.reshape(x.shape[:x.ndim - len(k_dims)] + tuple(n_dims))
+    return values, scales, layer, tuple(k_dims), tuple(n_dims)
 
 
 def packed_dims(weight) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

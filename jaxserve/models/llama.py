@@ -32,7 +32,8 @@ from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models import layers, moe, rope
 from jaxserve.models.attention import attend_paged, reference_attention
 from jaxserve.models.kernels import XLA, Kernels
-from jaxserve.models.linear import QuantizedWeight, pack_stacked, read_in_place, stacked_dense, stored_dtype
+from jaxserve.models.linear import (QuantizedWeight, pack_stacked, read_in_place, stacked_dense, stacked_dense_group,
+                                   stored_dtype)
 from jaxserve.models.linear import dense as _dense
 from jaxserve.quant import schemes
 from jaxserve.quant.kv import dequantize_kv, quantize_kv
@@ -138,19 +139,27 @@ class DecoderLayers(nnx.Module):
         kernels.stacked_matmul, and how many of the leading tokens are real (the rest padding, skipped)."""
         stacked, index, rows = in_place or ((), None, None)
 
-        def dense(inputs, name: str, spec: str):
-            kept = name in stacked
-            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if kept else None,
-                         rows=rows if kept else None)
+        def with_lora(out, inputs, name: str):
             if lora_mask is None:
                 return out
             return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
 
+        def dense(inputs, name: str, spec: str):
+            kept = name in stacked
+            out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if kept else None,
+                         rows=rows if kept else None)
+            return with_lora(out, inputs, name)
+
+        def dense_group(inputs, names: tuple[str, ...], spec: str):
+            """[dense(inputs, name, spec) for name in names], in one kernel call when it reads them all in place."""
+            if kernels.stacked_matmuls is None or not set(names) <= set(stacked):
+                return [dense(inputs, name, spec) for name in names]
+            outs = stacked_dense_group(inputs, [getattr(self, name) for name in names], spec, kernels, index, rows)
+            return [with_lora(out.astype(inputs.dtype), inputs, name) for out, name in zip(outs, names, strict=True)]
+
         norm = functools.partial(layers.rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
         h = norm(x, self.attn_norm[...])
-        q = dense(h, "wq", "...te,ehd->...thd")
-        k = dense(h, "wk", "...te,ehd->...thd")
-        v = dense(h, "wv", "...te,ehd->...thd")
+        q, k, v = dense_group(h, ("wq", "wk", "wv"), "...te,ehd->...thd")
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if cfg.qk_norm:
@@ -159,17 +168,16 @@ class DecoderLayers(nnx.Module):
         attn, aux = attend(q, k, v)
         out = dense(attn, "wo", "...thd,hde->...te")
         x = x + (norm(out, self.attn_post_norm[...]) if cfg.sandwich_norms else out)
-        out = self._mlp(norm(x, self.mlp_norm[...]), cfg, dense, kernels)
+        out = self._mlp(norm(x, self.mlp_norm[...]), cfg, dense, dense_group, kernels)
         return x + (norm(out, self.mlp_post_norm[...]) if cfg.sandwich_norms else out), aux
 
-    def _mlp(self, h, cfg: ModelConfig, dense, kernels: Kernels):
+    def _mlp(self, h, cfg: ModelConfig, dense, dense_group, kernels: Kernels):
         activation = layers.ACTIVATIONS[cfg.hidden_act]
         if cfg.is_moe:
             return moe.routed_mlp(h, self.router[...], self.we_gate[...], self.we_up[...], self.we_down[...],
                                   top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, activation=activation,
                                   grouped_matmul=kernels.grouped_matmul)
-        gate = dense(h, "w_gate", "...te,ef->...tf")
-        up = dense(h, "w_up", "...te,ef->...tf")
+        gate, up = dense_group(h, ("w_gate", "w_up"), "...te,ef->...tf")
         return dense(activation(gate) * up, "w_down", "...tf,fe->...te")
 
 
