@@ -86,7 +86,7 @@ def build_engine(args) -> LLMEngine:
     if config.data_parallel_size > 1:
         return LLMEngine.from_core(DataParallelCore([EngineCore(model, config, mesh=mesh)
                                                      for mesh in replicas.data_parallel_meshes(config)]))
-    return LLMEngine(model, config)
+    return LLMEngine(model, config, owns_model=True)
 
 
 def run_batch_replicas(front: LLMEngine, n: int, args) -> dict:

@@ -174,21 +174,24 @@ PANELS = dataclasses.replace(TINY, vocab_size=320, hidden_size=128, intermediate
                              head_dim=32)
 
 
-def test_the_engine_packs_what_the_kernel_reads_and_leaves_the_model_alone():
+def test_an_engine_packs_the_weights_of_a_model_it_owns_only():
+    """Given a model it owns (as from_model_dir's), the engine stores what the kernel reads packed, where the output
+    dims are whole panels, and frees the originals; a model the caller keeps is used as it is."""
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, matmul="cpu",
+                          xla_optimization_level=0)
     model = random_model(TINY, jnp.float32, seed=3)
     wq = np.asarray(model.layers.wq[...])
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, matmul="cpu",
-                                           xla_optimization_level=0), show_progress=False)
-    layers = engine.core.runner.params["layers"]
+    kept = LLMEngine(model, config, show_progress=False).core.runner.params["layers"]
+    assert not any(kept[name].get_metadata().get("packed") for name in ("wq", "wk", "w_down"))
+    assert not model.layers.wq[...].is_deleted()
+    layers = LLMEngine(model, config, show_progress=False, owns_model=True).core.runner.params["layers"]
     assert layers["wq"].get_metadata()["packed"] == ((64,), (4, 16))  # [layers, N / 64, K, 64]
     assert layers["wq"][...].shape == (3, 1, 64, 64)
+    np.testing.assert_array_equal(np.asarray(cpu.unpack(layers["wq"][...])), wq.reshape(3, 64, 64))
     assert "packed" not in layers["wk"].get_metadata()  # 2 x 16 outputs: not whole panels
-    np.testing.assert_array_equal(np.asarray(model.layers.wq[...]), wq)  # the caller's model is as it was
-    assert not model.layers.wq[...].is_deleted()
-    packed = pack_weights(model, engine.core.kernels, release=True)  # an owner's: the originals go
-    assert model.layers.wq[...].is_deleted() and not model.layers.wk[...].is_deleted()
-    assert packed.layers.wq.get_metadata()["packed"] and packed.layers.wk[...] is model.layers.wk[...]
-    assert pack_weights(packed, Kernels.resolve("xla", "xla")) is packed  # no layout to pack for
+    assert model.layers.wq[...].is_deleted() and not model.layers.wk[...].is_deleted()  # taken over
+    other = random_model(TINY, jnp.float32, seed=3)
+    assert pack_weights(other, Kernels.resolve("xla", "xla")) is other  # no layout to pack for
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -201,7 +204,7 @@ def test_packed_engine_generates_what_xla_does(quantization):
     for matmul in ("cpu", "xla"):
         engine = LLMEngine(random_model(cfg, jnp.float32, seed=5),
                            EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, matmul=matmul,
-                                        xla_optimization_level=0), show_progress=False)
+                                        xla_optimization_level=0), show_progress=False, owns_model=True)
         weights = jax.tree.leaves(engine.core.runner.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
         packed = [w for w in weights if w.get_metadata().get("packed")]
         assert len(packed) == (8 if matmul == "cpu" else 0)  # 7 projections and the LM head

@@ -12,7 +12,9 @@ below what this machine copies at. A prompt step's products (hundreds of rows) a
 instead, where XLA's dot reached 0.56-0.69 of the multiply-add peak on one VM, 0.82 on another
 (bench/cpu_peak.py). The kernel reads the layer's slice in place, float32, bfloat16 or int8 (per-channel scales):
 streaming for one or two rows (float32), register-blocked tiles up to 64, cache-blocked bands of packed weights
-beyond. Its reference is the einsum (jaxserve.models.linear).
+beyond. An engine stores the weights it reads in 64-column panels (`pack`, once, when it is built), which a decode
+step streams in long sequential runs, and multiplies a layer's q, k and v (and gate and up) in one call
+(`matmuls`). Its reference is the einsum (jaxserve.models.linear).
 
 The kernels are compiled on first use with the system's C++ compiler (`$CXX`, else c++) against the jaxlib FFI
 headers, for this machine's instruction set, into one library cached under the jaxserve cache directory keyed by

@@ -81,8 +81,10 @@ class EngineCore:
                  show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, metered: bool = True,
                  draft: Llama | None = None, owns_model: bool = False):
         """`draft`: the draft model of --speculative-method draft, when the caller has it in memory (otherwise
-        read from config.speculative_model). `owns_model`: nobody else holds `model` (from_model_dir), so weights
-        the engine stores in another layout (pack_weights) free their originals as they go."""
+        read from config.speculative_model). `owns_model`: the caller hands `model` over and will not use it again
+        (from_model_dir): the engine may then store the weights its kernels read in their own layout, freeing each
+        original as it goes (pack_weights: the CPU matmul's panels). A model the caller keeps is used as it is, so
+        its weights are never in memory twice."""
         self.config = config
         self.model_config: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -95,11 +97,11 @@ class EngineCore:
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(self._with_adapters(model), self.sharder)
         model.cfg = model.cfg.for_context(self.max_model_len)  # LongRoPE picks its factors once, for this length
-        given_draft = draft
+        loads_draft = draft is None
         draft = self._draft(model, draft, tokenizer)
-        # the CPU kernel's layout for the weights it reads every step, before free memory is measured
-        model = pack_weights(model, self.kernels, release=owns_model)
-        draft = None if draft is None else pack_weights(draft, self.kernels, release=given_draft is None)
+        # the kernels' layout for the weights they read every step (owned ones), before free memory is measured
+        model = pack_weights(model, self.kernels) if owns_model else model
+        draft = pack_weights(draft, self.kernels) if draft is not None and loads_draft else draft
         slots = create_on_mesh(lambda: SlotState.zeros(config.max_num_seqs + 1, self.max_model_len),
                                lambda a: self.sharder.replicated)
         free = free_memory(self.sharder.mesh)  # after the weights and the slot state, before the cache
@@ -559,8 +561,11 @@ class LLMEngine:
     synchronously by its caller. Requests are validated here, once (jaxserve.validation)."""
 
     def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), tokenizer=None, *,
-                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, draft: Llama | None = None):
-        self._attach(EngineCore(model, config, tokenizer, show_progress=show_progress, mesh=mesh, draft=draft))
+                 show_progress: bool = True, mesh: jax.sharding.Mesh | None = None, draft: Llama | None = None,
+                 owns_model: bool = False):
+        """`owns_model`: as EngineCore's (the engine may re-lay out and free `model`'s weights)."""
+        self._attach(EngineCore(model, config, tokenizer, show_progress=show_progress, mesh=mesh, draft=draft,
+                                owns_model=owns_model))
 
     @classmethod
     def from_core(cls, core) -> "LLMEngine":

@@ -320,13 +320,12 @@ class Llama(nnx.Module):
         return layers.softcap(logits, self.cfg.final_logit_softcapping)
 
 
-def pack_weights(model: Llama, kernels: Kernels, release: bool = False) -> Llama:
-    """A copy of `model` whose weights kernels.stacked_matmul reads in place are stored in the layout it streams
-    fastest (kernels.pack, jaxserve.cpu.pack) where their shapes allow: what a CPU engine reads every step, read in
-    long sequential runs. The copy's __call__ and logits run with these kernels only (forward_dense and other kernels
-    want the plain layout: use `model`). `model` keeps its arrays, unless `release`: then each packed weight's
-    original is freed as soon as its copy exists (for a caller that holds no other reference to the model, like an
-    engine that loaded it), so the weights are never in memory twice over."""
+def pack_weights(model: Llama, kernels: Kernels) -> Llama:
+    """`model` with the weights kernels.stacked_matmul reads in place stored in the layout it streams fastest
+    (kernels.pack, jaxserve.cpu.pack) where their shapes allow: what a CPU engine reads every step, read in long
+    sequential runs. Takes the model over: each packed weight's original array is freed as soon as its copy exists
+    (the weights are never in memory twice), so `model` must not be used afterwards. The result's __call__ and
+    logits run with these kernels only (forward_dense and other kernels want the plain layout)."""
     if kernels.pack is None:
         return model
     packed = nnx.clone(model)  # new modules over the same arrays
@@ -345,8 +344,7 @@ def pack_weights(model: Llama, kernels: Kernels, release: bool = False) -> Llama
             weight.values = new
         else:
             setattr(owner, name, new)
-        if release:
-            variable[...].delete()
+        variable[...].delete()
     return packed
 
 
