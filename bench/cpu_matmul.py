@@ -1,7 +1,9 @@
 """The CPU matmul kernel (jaxserve/cpu/matmul.cc) against XLA's dot on a decode step's projections: the small
 preset's 12 layers of q/k/v/o/gate/up/down weights stacked [layers, K, N], M rows, one jitted scan over the layers
-(XLA indexes each layer's slice, as the model does), interleaved in one process. Reports ms per pass, the weights'
-GB/s and that as a fraction of this machine's copy bandwidth measured in the same run (numpy copy of 512 MB).
+(XLA indexes each layer's slice, as the model does), interleaved in one process; the kernel on the weights as
+they are and packed in 64-column panels (jaxserve.cpu.pack, as an engine stores them). Reports ms per pass, the
+weights' GB/s and that as a fraction of this machine's copy bandwidth measured in the same run (numpy copy of
+512 MB).
 
     python bench/cpu_matmul.py [--rows 1 4 16 32] [--dtype float32 bfloat16 int8] [--rounds 15]
 """
@@ -52,9 +54,9 @@ def passes():
         def one_layer(ws, x, layer):
             acc = x
             for w, s in ws.values():
-                k = w.shape[1]
+                k = w.shape[2] if w.ndim == 4 else w.shape[1]  # packed: [L, N / 64, K, 64]
                 xin = jnp.resize(acc, (acc.shape[0], k)) if acc.shape[1] != k else acc
-                if kernel == "cpu":
+                if kernel != "xla":
                     y = cpu.matmul(xin, w, layer, s)
                 else:
                     wl = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
@@ -65,7 +67,7 @@ def passes():
             return acc, None
         return jax.jit(lambda x, ws: jax.lax.scan(functools.partial(one_layer, ws), x,
                                                   jnp.arange(LAYERS, dtype=jnp.int32))[0])
-    return {"xla": product("xla"), "cpu": product("cpu")}
+    return {"xla": product("xla"), "cpu": product("cpu"), "packed": product("packed")}
 
 
 def main():
@@ -80,19 +82,22 @@ def main():
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s")
     for dtype in args.dtype:
         ws = weights(dtype, rng)
+        inputs = {"xla": ws, "cpu": ws, "packed": {name: (cpu.pack(w), s) for name, (w, s) in ws.items()}}
         nbytes = sum(w.nbytes + (s.nbytes if s is not None else 0) for w, s in ws.values())
         fns = passes()
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, E)), jnp.float32)
-            for f in fns.values():
-                f(x, ws).block_until_ready()
+            for k, f in fns.items():
+                f(x, inputs[k]).block_until_ready()
             t = {k: [] for k in fns}
             for _ in range(args.rounds):
                 for k, f in fns.items():
-                    t[k].append(_timed(lambda: f(x, ws).block_until_ready()))
-            xla, ours = statistics.median(t["xla"]), statistics.median(t["cpu"])
+                    t[k].append(_timed(lambda: f(x, inputs[k]).block_until_ready()))
+            xla, ours, packed = (statistics.median(t[k]) for k in ("xla", "cpu", "packed"))
             print(f"{dtype:8s} M={m:2d}: xla {xla * 1e3:6.2f} ms ({nbytes / xla / bw:.2f} of copy bw), "
-                  f"cpu kernel {ours * 1e3:6.2f} ms ({nbytes / ours / bw:.2f}), xla/cpu {xla / ours:.2f}x", flush=True)
+                  f"cpu kernel {ours * 1e3:6.2f} ms ({nbytes / ours / bw:.2f}), packed {packed * 1e3:6.2f} ms "
+                  f"({nbytes / packed / bw:.2f}), xla/cpu {xla / ours:.2f}x, cpu/packed {ours / packed:.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":
