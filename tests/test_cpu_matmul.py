@@ -29,6 +29,19 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
+def random_weight(rng, dtype: str, layers: int, k: int, n: int):
+    """(w [layers, K, N], scales [layers, N] for int8 else None)."""
+    if dtype == "int8":
+        return (jnp.asarray(rng.integers(-127, 128, (layers, k, n)), jnp.int8),
+                jnp.asarray(rng.random((layers, n)) * 0.01 + 1e-3, jnp.float32))
+    return jnp.asarray(rng.standard_normal((layers, k, n)), dtype), None
+
+
+def reference(x, w, scales, layer):
+    ref = jnp.einsum("mk,kn->mn", x, w[layer].astype(jnp.float32), precision="highest")
+    return ref if scales is None else ref * scales[layer]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (2, 5, 7), (3, 130, 300), (5, 768, 768), (9, 200, 1030),
                                    (17, 100, 2050), (32, 64, 257), (64, 96, 200),  # streaming and register-blocked
@@ -36,16 +49,9 @@ def rng(request):
 def test_matches_the_einsum(rng, dtype, m, k, n):
     layers = 3
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    if dtype == "int8":
-        w = jnp.asarray(rng.integers(-127, 128, (layers, k, n)), jnp.int8)
-        scales = jnp.asarray(rng.random((layers, n)) * 0.01 + 1e-3, jnp.float32)
-    else:
-        w = jnp.asarray(rng.standard_normal((layers, k, n)), dtype)
-        scales = None
+    w, scales = random_weight(rng, dtype, layers, k, n)
     for layer in range(layers):
-        ref = jnp.einsum("mk,kn->mn", x, w[layer].astype(jnp.float32), precision="highest")
-        if scales is not None:
-            ref = ref * scales[layer]
+        ref = reference(x, w, scales, layer)
         out = jax.jit(lambda x, w, s, i: cpu.matmul(x, w, i, s))(x, w, scales, jnp.int32(layer))
         assert out.shape == (m, n) and out.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))
@@ -59,24 +65,37 @@ def test_packed_weights_match_the_einsum(rng, dtype, m, k, n):
     cache-blocked), against the einsum of the weight it was packed from; unpack gives that weight back."""
     layers = 2
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    if dtype == "int8":
-        w = jnp.asarray(rng.integers(-127, 128, (layers, k, n)), jnp.int8)
-        scales = jnp.asarray(rng.random((layers, n)) * 0.01 + 1e-3, jnp.float32)
-    else:
-        w, scales = jnp.asarray(rng.standard_normal((layers, k, n)), dtype), None
+    w, scales = random_weight(rng, dtype, layers, k, n)
     assert cpu.packable(w)
     packed = cpu.pack(w)
     assert packed.shape == (layers, n // 64, k, 64) and packed.dtype == w.dtype
     assert (cpu.unpack(packed) == w).all()
     for layer in range(layers):
-        ref = jnp.einsum("mk,kn->mn", x, w[layer].astype(jnp.float32), precision="highest")
-        ref = ref if scales is None else ref * scales[layer]
+        ref = reference(x, w, scales, layer)
         out = jax.jit(lambda x, w, s, i: cpu.matmul(x, w, i, s, m - 1 if m > 2 else None))(x, packed, scales, layer)
         real = m - 1 if m > 2 else m
         np.testing.assert_allclose(np.asarray(out)[:real], np.asarray(ref)[:real], rtol=1e-5,
                                    atol=1e-4 * float(jnp.abs(ref).max()))
         assert not np.asarray(out)[real:].any()
     assert not cpu.packable(jnp.zeros((1, 8, 100))) and not cpu.packable(jnp.zeros((8, 128)))
+
+
+@pytest.mark.parametrize("m,rows", [(1, 1), (2, 2), (5, 4), (16, 16), (40, 3), (100, 70)])
+def test_several_weights_in_one_call(rng, m, rows):
+    """matmuls: each weight its own dtype, layout and width (one the threads split along K), one call, each output
+    its own product; the padding rows zeros in every output."""
+    k, layer = 160, 1  # two K splits of 80 rows for a weight of one column block
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    weights = [random_weight(rng, "float32", 2, k, 200), random_weight(rng, "int8", 2, k, 64),
+               random_weight(rng, "bfloat16", 2, k, 130), random_weight(rng, "int8", 2, k, 128)]
+    given = [(w, s) for w, s in weights[:3]] + [(cpu.pack(weights[3][0]), weights[3][1])]
+    outs = jax.jit(lambda x, ws: cpu.matmuls(x, ws, layer, rows))(x, given)
+    assert len(outs) == len(weights)
+    for out, (w, scales) in zip(outs, weights, strict=True):
+        ref = np.asarray(reference(x, w, scales, layer))
+        assert out.shape == (m, w.shape[2])
+        np.testing.assert_allclose(np.asarray(out)[:rows], ref[:rows], rtol=1e-5, atol=1e-4 * float(np.abs(ref).max()))
+        assert not np.asarray(out)[rows:].any()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
