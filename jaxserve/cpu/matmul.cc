@@ -528,6 +528,7 @@ struct Product {
   float* partial;       // [k_splits, M, N] when the grid splits K
   int64_t first_task;   // the call's tasks [first_task, first_task + tasks) are this product's
   int64_t tasks() const { return g.col_blocks * g.k_splits; }
+  int64_t partial_size() const { return g.k_splits > 1 ? g.k_splits * s.m * s.n : 0; }
 };
 
 template <typename WT>
@@ -580,7 +581,7 @@ void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& pr
     p.g = p.blocked ? MakeBlockedGrid(p.s, workers) : MakeGrid(p.s, WeightBytes(p.type), workers);
     p.first_task = tasks;
     tasks += p.tasks();
-    partials += p.g.k_splits > 1 ? p.g.k_splits * m * p.s.n : 0;
+    partials += p.partial_size();
     any_blocked |= p.blocked;
   }
   float* xp = nullptr;
@@ -591,7 +592,7 @@ void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& pr
   float* partial = Scratch<1>(partials);
   for (Product& p : products) {
     p.partial = partial;
-    partial += p.g.k_splits > 1 ? p.g.k_splits * m * p.s.n : 0;
+    partial += p.partial_size();
   }
   ParallelFor(pool, tasks, [&](int64_t task) {
     size_t i = 0;

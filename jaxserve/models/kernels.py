@@ -64,9 +64,8 @@ class Kernels:
     decode_attention: Callable = dataclasses.field(repr=False)  # one query per sequence
     matmul: Callable = dataclasses.field(repr=False)  # quantized weights only
     matmul_under_shard_map: bool  # an opaque kernel: split like the weight by hand (jaxserve.models.linear)
-    stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)  # reads stacked weights in place
-    # stacked_matmuls(x, [(w, scales), ...], layer, rows) -> [x @ w[layer], ...]: several in one call
-    stacked_matmuls: Callable | None = dataclasses.field(default=None, repr=False)
+    # reads stacked weights in place, several in one call: (x, [(w, scales), ...], layer, rows) -> [x @ w[layer], ...]
+    stacked_matmul: Callable | None = dataclasses.field(default=None, repr=False)
     # products with weights stored in one of stacked_dtypes go to stacked_matmul
     stacked_dtypes: tuple[str, ...] = ()
     # stacked [layers, K, N] -> the layout stacked_matmul streams fastest, None where the shape does not allow (the
@@ -83,8 +82,7 @@ class Kernels:
         ragged, decode = _ATTENTION[attention_name]
         stacked = matmul_name == "cpu"
         return cls(attention_name, matmul_name, ragged, decode, _MATMUL[matmul_name],
-                   matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmul if stacked else None,
-                   stacked_matmuls=cpu.matmuls if stacked else None,
+                   matmul_under_shard_map=matmul_name == "pallas", stacked_matmul=cpu.matmuls if stacked else None,
                    stacked_dtypes=CPU_MATMUL_DTYPES if stacked else (), pack=_cpu_pack if stacked else None)
 
     def reads_stacked(self, weight_dtype="float32") -> bool:

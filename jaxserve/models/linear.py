@@ -111,18 +111,17 @@ def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None,
     """x [..., K dims] @ weight[layer] [K dims, N dims] -> float32 by kernels.stacked_matmul on the weight's
     [layers, K, N] view, or on its packed values (`pack_stacked`); `layer=None`: the weight is not stacked (one
     layer). `rows`: x's leading rows (flattened to [M, K]) that are real, the others' products zeros (None: all)."""
-    values, scales, layer, k_dims, n_dims = _stacked_operand(weight, spec, layer)
-    out = kernels.stacked_matmul(x.reshape(-1, math.prod(k_dims)), values, layer, scales, rows)
-    return out.reshape(x.shape[:x.ndim - len(k_dims)] + tuple(n_dims))
+    return stacked_dense_group(x, [weight], spec, kernels, layer, rows)[0]
 
 
-def stacked_dense_group(x: jax.Array, weights, spec: str, kernels: Kernels, layer, rows=None) -> list[jax.Array]:
-    """[stacked_dense(x, w, spec, ...) for w in weights] in one kernels.stacked_matmuls call (a layer's q, k and v,
+def stacked_dense_group(x: jax.Array, weights, spec: str, kernels: Kernels, layer=None,
+                        rows=None) -> list[jax.Array]:
+    """[stacked_dense(x, w, spec, ...) for w in weights] in one kernels.stacked_matmul call (a layer's q, k and v,
     or its gate and up: a decode step waits for the kernel's threads once for them)."""
     operands = [_stacked_operand(weight, spec, layer) for weight in weights]
-    k_dims = operands[0][3]
+    _, _, layer, k_dims, _ = operands[0]
     pairs = [(values, scales) for values, scales, *_ in operands]
-    outs = kernels.stacked_matmuls(x.reshape(-1, math.prod(k_dims)), pairs, layer, rows)
+    outs = kernels.stacked_matmul(x.reshape(-1, math.prod(k_dims)), pairs, layer, rows)
     return [out.reshape(x.shape[:x.ndim - len(k_dims)] + tuple(n_dims))
             for out, (*_, n_dims) in zip(outs, operands, strict=True)]
 

@@ -152,7 +152,7 @@ class DecoderLayers(nnx.Module):
 
         def dense_group(inputs, names: tuple[str, ...], spec: str):
             """[dense(inputs, name, spec) for name in names], in one kernel call when it reads them all in place."""
-            if kernels.stacked_matmuls is None or not set(names) <= set(stacked):
+            if not set(names) <= set(stacked):
                 return [dense(inputs, name, spec) for name in names]
             outs = stacked_dense_group(inputs, [getattr(self, name) for name in names], spec, kernels, index, rows)
             return [with_lora(out.astype(inputs.dtype), inputs, name) for out, name in zip(outs, names, strict=True)]
