@@ -18,7 +18,8 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable, Collection
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import Llama, abstract_model, numpy_dtype
+from jaxserve.models.llama import Llama, abstract_weights, numpy_dtype
 
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -82,19 +83,19 @@ def read_metadata(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_model(model_dir: str | os.PathLike, dtype: str | None = None,
-               sharding_for: Callable[[tuple[str | None, ...]], jax.sharding.Sharding] | None = None) -> Llama:
-    """Restores the model. `sharding_for(logical_axes)` gives each weight's sharding (default: one device)."""
+               sharding_for: Callable[[tuple[str | None, ...]], jax.sharding.Sharding] | None = None,
+               keep_stored: Collection[str] = ()) -> Llama:
+    """Restores the model. `sharding_for(logical_axes)` gives each weight's sharding (default: one device).
+    `keep_stored`: paths of weights ("layers/wq", "lm_head") that stay in the checkpoint's dtype instead of `dtype`
+    (weights a kernel reads in place and multiplies in float32 whatever their storage)."""
     cfg = ModelConfig.load(model_dir)
-    run_dtype = numpy_dtype(dtype or cfg.dtype)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, run_dtype), nnx.Param)
+    graphdef, abstract_state = abstract_weights(cfg, numpy_dtype(dtype or cfg.dtype), keep_stored)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def target(var: nnx.Variable):
         sharding = sharding_for(var.get_metadata()["axes"]) if sharding_for else default
         value = var.get_value()
-        keep = not np.issubdtype(value.dtype, np.floating) or var.get_metadata().get("keep_dtype", False)
-        dt = value.dtype if keep else run_dtype
-        return var.replace(jax.ShapeDtypeStruct(value.shape, dt, sharding=sharding))
+        return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
 
     targets = jax.tree.map(target, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     with ocp.StandardCheckpointer() as ckptr:

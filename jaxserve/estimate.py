@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -36,7 +37,7 @@ from jaxserve.engine.memory import KVPlan, plan_kv_cache, wanted_pages
 from jaxserve.engine.placement import abstract_on_mesh, engine_mesh, kv_cache_shardings, model_sharder
 from jaxserve.engine.sampler import SlotState
 from jaxserve.kv.cache import CACHE_AXES, KVCache
-from jaxserve.models.llama import abstract_model, numpy_dtype
+from jaxserve.models.llama import abstract_model, abstract_weights, kept_in_storage, numpy_dtype
 from jaxserve.observability.cost import ModelCost
 from jaxserve.observability.gpus import GPUS, GiB, GpuSpec
 from jaxserve.parallel.sharding import DATA, MODEL, divisible_rules
@@ -156,7 +157,7 @@ def estimate(cfg: ModelConfig, engine: EngineConfig = EngineConfig(), *, memory_
     max_len = engine.resolved_max_model_len(cfg)
     tp = engine.tensor_parallel_size
     kv_dtype = jnp.dtype(kv_quant.kv_storage_dtype(engine.kv_cache_dtype, dtype))
-    arrays = weight_arrays(cfg, dtype)
+    arrays = weight_arrays(cfg, dtype, kept_weights(cfg, engine, dtype) if gpu is None else ())
     kept = sharded_axes(cfg, arrays, tp)
     kv_shards = tp if "kv_heads" in kept else 1
     weights = bytes_per_device(arrays, kept, tp)
@@ -228,10 +229,20 @@ def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> i
     return runner.measure_transients(buckets.largest_shapes())
 
 
-def weight_arrays(cfg: ModelConfig, dtype: str) -> list[tuple[tuple, tuple[int, ...], jnp.dtype]]:
+def kept_weights(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> tuple[str, ...]:
+    """The weights an engine on this machine keeps in the checkpoint's dtype (EngineCore.from_model_dir)."""
+    from jaxserve.models.kernels import Kernels
+    if engine.merge_lora:
+        return ()
+    return kept_in_storage(cfg, dtype, Kernels.resolve(engine.attention, engine.matmul, None,
+                                                       engine.tensor_parallel_size))
+
+
+def weight_arrays(cfg: ModelConfig, dtype: str, keep_stored: Collection[str] = ()
+                  ) -> list[tuple[tuple, tuple[int, ...], jnp.dtype]]:
     """(logical axes, shape, dtype) of every stored weight array, quantized values and scales included, from the
-    model's declaration traced abstractly (nothing is allocated)."""
-    _, state = nnx.split(abstract_model(cfg, numpy_dtype(dtype)), nnx.Param)
+    model's declaration traced abstractly (nothing is allocated); keep_stored as load_model's."""
+    _, state = abstract_weights(cfg, numpy_dtype(dtype), keep_stored)
     leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return [(tuple(v.get_metadata()["axes"]), tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype))
             for v in leaves]

@@ -17,7 +17,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.llm import LLM
 from jaxserve.models.kernels import Kernels, resolve_matmul
-from jaxserve.models.llama import pack_weights, random_model
+from jaxserve.models.llama import DecoderLayers, kept_in_storage, pack_weights, random_model
 from jaxserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or cpu.compiler() is None,
@@ -230,3 +230,43 @@ def test_packed_engine_generates_what_xla_does(quantization):
         llm = LLM(engine=engine, show_progress=False)
         outputs[matmul] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs["cpu"] == outputs["xla"]
+
+
+def test_a_bfloat16_checkpoint_keeps_the_weights_the_kernel_reads_in_bfloat16(converted):
+    """Served in float32 with matmul=cpu, a bfloat16 checkpoint's projections and LM head stay bfloat16 (the kernel
+    multiplies them in float32: the same products from half the bytes); the rest is float32. The greedy tokens are
+    matmul=xla's (which upcasts every weight), the logged and metered weight bytes are the arrays' own."""
+    model_dir = converted("llama3.1", "bfloat16")
+    prompts = [[5, 9, 13, 40, 2], [(7 * i) % 200 + 3 for i in range(80)]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for matmul in ("cpu", "xla"):
+        engine = LLMEngine.from_model_dir(model_dir, EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, matmul=matmul, dtype="float32",
+            xla_optimization_level=0, compilation_cache_dir=""), show_progress=False)
+        core = engine.core
+        params_ = core.runner.params
+        kept = {f"layers/{name}" for name in DecoderLayers.PROJECTIONS} | (
+            set() if core.model_config.tie_word_embeddings else {"lm_head"})
+        if matmul == "cpu":
+            assert core.stored_dtypes == dict.fromkeys(kept, "bfloat16")
+            assert all(params_["layers"][name][...].dtype == jnp.bfloat16 for name in DecoderLayers.PROJECTIONS)
+            assert core.weights_description == "float32 (projections stored bfloat16)"
+        else:
+            assert core.stored_dtypes == {} and params_["layers"]["wq"][...].dtype == jnp.float32
+        assert params_["embed"][...].dtype == jnp.float32 and params_["final_norm"][...].dtype == jnp.float32
+        arrays = jax.tree.leaves(params_, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        assert core.weight_bytes == sum(w[...].nbytes for w in arrays)
+        outputs[matmul] = [o.outputs[0].token_ids for o in LLM(engine=engine, show_progress=False).generate(
+            prompts, params)]
+    assert outputs["cpu"] == outputs["xla"]
+
+
+@pytest.mark.parametrize("case", ["float32 checkpoint", "bfloat16 compute", "xla kernels", "int8"])
+def test_weights_stay_in_the_run_dtype_unless_the_kernel_reads_them_in_float32(case):
+    cfg = dataclasses.replace(PANELS, dtype="float32" if case == "float32 checkpoint" else "bfloat16",
+                              quantization="int8" if case == "int8" else None)
+    kernels = Kernels.resolve("xla", "xla" if case == "xla kernels" else "cpu")
+    dtype = "bfloat16" if case == "bfloat16 compute" else "float32"
+    kept = kept_in_storage(cfg, dtype, kernels)
+    assert kept == (("lm_head",) if case == "int8" else ())  # int8 projections are int8 whatever the dtype

@@ -47,7 +47,7 @@ from jaxserve.lora.adapter import LoraError, read_adapter
 from jaxserve.lora.registry import AdapterRegistry, LoraInfo, LoraInUseError, parse_lora_module
 from jaxserve.lora.slots import AdapterSlots
 from jaxserve.models.kernels import Kernels
-from jaxserve.models.llama import Llama, numpy_dtype, pack_weights
+from jaxserve.models.llama import Llama, kept_in_storage, numpy_dtype, pack_weights, stored_dtypes
 from jaxserve.outputs import OutputKind, RequestOutput, TokenLogprob
 from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
@@ -96,6 +96,7 @@ class EngineCore:
         self.buckets = self._buckets()  # a ladder that misses a shape the scheduler can plan fails here
         self.sharder = model_sharder(model.cfg, mesh or engine_mesh(config), model.dtype)
         model = place_model(self._with_adapters(model), self.sharder)
+        self.stored_dtypes = stored_dtypes(model)
         model.cfg = model.cfg.for_context(self.max_model_len)  # LongRoPE picks its factors once, for this length
         loads_draft = draft is None
         draft = self._draft(model, draft, tokenizer)
@@ -233,13 +234,16 @@ class EngineCore:
 
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes(self.model_config, jnp.dtype(self.runner.params["embed"][...].dtype).name)
+        return weight_bytes(self.model_config, jnp.dtype(self.runner.params["embed"][...].dtype).name,
+                            self.stored_dtypes)
 
     @property
     def weights_description(self) -> str:
         cfg = self.model_config
         if cfg.quantization is None and cfg.lm_head_quantization is None:
-            return jnp.dtype(self.runner.params["embed"][...].dtype).name
+            dtype = jnp.dtype(self.runner.params["embed"][...].dtype).name
+            kept = sorted(set(self.stored_dtypes.values()))
+            return f"{dtype} (projections stored {', '.join(kept)})" if kept else dtype
         head = f", LM head {cfg.lm_head_quantization or 'float'}" if not cfg.tie_word_embeddings else ""
         return f"{cfg.quantization or 'float'} ({self.kernels.matmul_name} matmul{head})"
 
@@ -257,7 +261,11 @@ class EngineCore:
         dtype = resolve_dtype(config.dtype, model_cfg.dtype)
         mesh = mesh or engine_mesh(config)
         sharder = model_sharder(model_cfg, mesh, numpy_dtype(dtype))
-        model = load_model(model_dir, dtype=dtype, sharding_for=sharder.sharding)
+        # a bfloat16 checkpoint's projections stay bfloat16 when the CPU kernel multiplies them in float32 (not when
+        # an adapter is merged into them: the sum would round)
+        kernels = Kernels.resolve(config.attention, config.matmul, None, config.tensor_parallel_size)
+        keep = kept_in_storage(model_cfg, dtype, kernels) if not config.merge_lora else ()
+        model = load_model(model_dir, dtype=dtype, sharding_for=sharder.sharding, keep_stored=keep)
         tokenizer = load_tokenizer(model_dir, model_type=model_cfg.family)
         return cls(model, config, tokenizer, show_progress=show_progress, mesh=mesh, owns_model=True)
 

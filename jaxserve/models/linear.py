@@ -104,7 +104,7 @@ def read_in_place(weight) -> bool:
 
 def stored_dtype(weight):
     """The dtype a weight is stored in (a quantized weight's values: int8 for int8 and int4 alike)."""
-    return (weight.values if isinstance(weight, QuantizedWeight) else weight)[...].dtype
+    return (weight.values if isinstance(weight, QuantizedWeight) else weight).get_value().dtype  # also abstract
 
 
 def stacked_dense(x: jax.Array, weight, spec: str, kernels: Kernels, layer=None, rows=None) -> jax.Array:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +347,46 @@ def pack_weights(model: Llama, kernels: Kernels) -> Llama:
             setattr(owner, name, new)
         variable[...].delete()
     return packed
+
+
+def kept_in_storage(cfg: ModelConfig, dtype: str, kernels: Kernels) -> tuple[str, ...]:
+    """The weights of a `cfg` checkpoint to load in its own dtype when the model runs in `dtype`: those
+    kernels.stacked_matmul reads in place, when the model runs in float32 and the kernel reads the checkpoint's
+    dtype. The kernel converts each weight to float32 as it multiplies, and a bfloat16 value is exact in float32, so
+    the products are those of the upcast weights while a step reads half the bytes. Paths as load_model's
+    keep_stored takes them ("layers/wq", "lm_head")."""
+    if dtype != "float32" or cfg.dtype == dtype or not kernels.reads_stacked(cfg.dtype):
+        return ()
+    model = abstract_model(cfg, numpy_dtype(cfg.dtype))
+    floating = lambda weight: not isinstance(weight, QuantizedWeight)  # noqa: E731 (quantized ones keep theirs)
+    layers_ = tuple(f"layers/{name}" for name in model._read_in_place(kernels)
+                    if floating(getattr(model.layers, name)))
+    return layers_ + (("lm_head",) if model._lm_head_in_place(kernels) and floating(model.lm_head) else ())
+
+
+def abstract_weights(cfg: ModelConfig, dtype, keep_stored: Collection[str] = ()):
+    """(graphdef, Param state with ShapeDtypeStruct leaves) of a `cfg` checkpoint as it loads to run in `dtype`:
+    float weights in `dtype`, but those whose path is in keep_stored (kept_in_storage) in the checkpoint's dtype;
+    integer and keep_dtype ones (quantized values, their scales) as declared."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype), nnx.Param)
+
+    def leaf(path, var: nnx.Variable) -> nnx.Variable:
+        value = var.get_value()
+        if not jnp.issubdtype(value.dtype, jnp.floating) or var.get_metadata().get("keep_dtype", False):
+            return var
+        stored = "/".join(str(getattr(key, "key", key)) for key in path) in keep_stored
+        return var.replace(jax.ShapeDtypeStruct(value.shape, numpy_dtype(cfg.dtype) if stored else dtype))
+
+    return graphdef, jax.tree_util.tree_map_with_path(leaf, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def stored_dtypes(model: Llama) -> dict[str, str]:
+    """The float weights stored in another dtype than the model runs in (kept_in_storage), by path."""
+    specs = weight_specs(model.cfg)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
+    paths = {"/".join(str(key.key) for key in path): value.dtype for path, value in flat}
+    return {path: jnp.dtype(dtype).name for path, dtype in paths.items()
+            if path in specs and jnp.issubdtype(dtype, jnp.floating) and dtype != model.dtype}
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:

@@ -198,7 +198,7 @@ def model_cost(engine) -> ModelCost:
     """The prices of an LLMEngine's steps: its model, weight dtype, KV-cache dtype and devices."""
     dtype = jnp.dtype(engine.runner.params["embed"][...].dtype).name
     kv = kv_bytes_per_token(engine.model_config, "auto", engine.kv_dtype)
-    cost = ModelCost.of(engine.model_config, dtype, kv, engine.sharder.mesh.devices.size)
+    cost = ModelCost.of(engine.model_config, dtype, kv, engine.sharder.mesh.devices.size, engine.stored_dtypes)
     draft = getattr(engine, "draft_config", None)  # speculative decoding with a draft model
     if draft is None:
         return cost

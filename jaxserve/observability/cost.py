@@ -19,6 +19,7 @@ formula prices one step, a window of steps or the engine's running totals.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 
@@ -55,8 +56,10 @@ class ModelCost:
     expert_share_per_token: float = 0.0  # MoE: k / X, the share of a layer's experts one token is routed to
 
     @classmethod
-    def of(cls, cfg: ModelConfig, weight_dtype: str, kv_bytes_per_token: int, num_devices: int = 1) -> "ModelCost":
-        total = weight_bytes(cfg, weight_dtype)
+    def of(cls, cfg: ModelConfig, weight_dtype: str, kv_bytes_per_token: int, num_devices: int = 1,
+           stored: Mapping[str, str] | None = None) -> "ModelCost":
+        """`stored`: the weights kept in another dtype than weight_dtype, by path (EngineCore.stored_dtypes)."""
+        total = weight_bytes(cfg, weight_dtype, stored)
         row = cfg.hidden_size * jnp.dtype(weight_dtype).itemsize
         embed = cfg.vocab_size * row
         e, d = cfg.hidden_size, cfg.head_dim

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 
@@ -19,14 +20,15 @@ from jaxserve.models.llama import weight_scheme, weight_specs
 from jaxserve.quant import kv, schemes
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str = "bfloat16") -> int:
-    """Bytes of every weight: float ones in `dtype`, quantized ones as values + float32 scales."""
+def weight_bytes(cfg: ModelConfig, dtype: str = "bfloat16", stored: Mapping[str, str] | None = None) -> int:
+    """Bytes of every weight: float ones in `dtype` (or in stored[path], for those kept in another:
+    jaxserve.models.llama.kept_in_storage), quantized ones as values + float32 scales."""
     total = 0
-    itemsize = jnp.dtype(dtype).itemsize
+    stored = stored or {}
     for path, spec in weight_specs(cfg).items():
         scheme = weight_scheme(path, spec, cfg)
         if scheme is None:
-            total += math.prod(spec.shape) * itemsize
+            total += math.prod(spec.shape) * jnp.dtype(stored.get(path, dtype)).itemsize
         else:
             stacked = 1 if path.startswith("layers/") else 0
             total += schemes.layout(spec.shape, spec.axes, spec.contract, scheme, stacked).nbytes
