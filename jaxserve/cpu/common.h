@@ -98,6 +98,9 @@ inline void CpuRelax() {
 // The caller never waits for a pool task to start: it claims items itself, so the call completes even when every
 // pool thread is busy (another step's kernel on another device, or this very call running on a pool thread).
 // A pool task that starts late finds no item left and touches only the shared counters, never the caller's stack.
+// Whether this thread has run one of ParallelFor's pool tasks, i.e. is one of the pool's threads.
+inline thread_local bool tls_pool_thread = false;
+
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   struct Shared {
@@ -115,12 +118,18 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F&& fn) {
       shared->all_done.notify_all();
     }
   };
-  // One fewer helper than the pool has threads: with the caller that makes as many workers as threads. A caller
-  // outside the pool (XLA runs an executable on its client's own thread) plus one helper per pool thread was one
-  // runnable thread more than cores: the small model's decode step at 16 rows took a median 30.4 ms a step against
-  // 27.2 ms with one helper (2-vCPU AMD EPYC, six runs each, interleaved).
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 1), n - 1);
-  for (int64_t w = 0; w < helpers; ++w) pool.Schedule([work] { work(); });
+  // XLA calls a kernel on one of the pool's threads (a prompt step) or on its client's own thread (a decode step).
+  // From outside the pool, one helper per pool thread plus the caller is one runnable thread more than cores: the
+  // small model's 16-row decode step took a median 30.4 ms against 27.2 ms with one helper fewer (2-vCPU AMD EPYC,
+  // six runs each, interleaved). From inside, the pool's other threads are the helpers.
+  const int64_t threads = pool.num_threads();
+  const int64_t helpers = std::min<int64_t>(tls_pool_thread ? threads : std::max<int64_t>(threads - 1, 1), n - 1);
+  for (int64_t w = 0; w < helpers; ++w) {
+    pool.Schedule([work] {
+      tls_pool_thread = true;
+      work();
+    });
+  }
   work();
   // The last items are short (tens of microseconds): spin for them before sleeping, since waking a sleeping thread
   // costs about as much on a VM.
