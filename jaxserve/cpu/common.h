@@ -94,13 +94,13 @@ inline void CpuRelax() {
 #endif
 }
 
+// Whether this thread has run one of ParallelFor's pool tasks, i.e. is one of the pool's threads.
+inline thread_local bool tls_pool_thread = false;
+
 // Runs fn(i) for i in [0, n) on the calling thread and the pool's threads; returns when every fn(i) has finished.
 // The caller never waits for a pool task to start: it claims items itself, so the call completes even when every
 // pool thread is busy (another step's kernel on another device, or this very call running on a pool thread).
 // A pool task that starts late finds no item left and touches only the shared counters, never the caller's stack.
-// Whether this thread has run one of ParallelFor's pool tasks, i.e. is one of the pool's threads.
-inline thread_local bool tls_pool_thread = false;
-
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   struct Shared {
