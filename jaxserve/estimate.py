@@ -96,6 +96,7 @@ class Estimate:
     memory: MemoryEstimate
     params: int
     rule_of_thumb: float  # params x bits/8 x 1.2, bytes (all devices)
+    kept: tuple[str, ...] = ()  # weights kept in the checkpoint's dtype (kept_in_storage)
 
     @property
     def concurrent_sequences(self) -> int:
@@ -157,7 +158,8 @@ def estimate(cfg: ModelConfig, engine: EngineConfig = EngineConfig(), *, memory_
     max_len = engine.resolved_max_model_len(cfg)
     tp = engine.tensor_parallel_size
     kv_dtype = jnp.dtype(kv_quant.kv_storage_dtype(engine.kv_cache_dtype, dtype))
-    arrays = weight_arrays(cfg, dtype, kept_weights(cfg, engine, dtype) if gpu is None else ())
+    kept_paths = kept_weights(cfg, engine, dtype) if gpu is None else ()
+    arrays = weight_arrays(cfg, dtype, kept_paths)
     kept = sharded_axes(cfg, arrays, tp)
     kv_shards = tp if "kv_heads" in kept else 1
     weights = bytes_per_device(arrays, kept, tp)
@@ -183,7 +185,7 @@ def estimate(cfg: ModelConfig, engine: EngineConfig = EngineConfig(), *, memory_
                             kv_per_token // kv_shards, max(0, free - kv_cache), plan, error, adapters)
     params = cfg.num_params()
     return Estimate(cfg, engine, max_len, dtype, kv_dtype.name, kv_per_token, tp, gpu, memory, params,
-                    params * schemes_bits(cfg, dtype) / 8 * RULE_OF_THUMB_OVERHEAD)
+                    params * schemes_bits(cfg, dtype) / 8 * RULE_OF_THUMB_OVERHEAD, kept_paths)
 
 
 def slot_state_bytes(engine: EngineConfig, max_len: int) -> int:
@@ -374,7 +376,8 @@ def report(e: Estimate) -> str:
               f"experts per token)" if cfg.is_moe else "")
     lines = [f"{cfg.architecture}: {e.params / 1e9:.3g}B parameters{active}, {cfg.num_layers} layers, hidden "
              f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}; weights "
-             f"{cfg.quantization or e.weight_dtype}, KV cache {e.kv_dtype}, max_model_len {e.max_model_len:,}",
+             f"{cfg.quantization or e.weight_dtype}{f' (projections stored {cfg.dtype})' if e.kept else ''}, KV "
+             f"cache {e.kv_dtype}, max_model_len {e.max_model_len:,}",
              _target(e), "", "memory per device" + " " * 33 + "GiB"]
     rows = [("device memory", m.device, ""),
             ("XLA pool", m.pool, f"{m.pool / m.device:.0%} of the device"),

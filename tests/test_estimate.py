@@ -30,7 +30,7 @@ from jaxserve.engine import placement
 from jaxserve.engine.placement import engine_mesh, model_sharder
 from jaxserve.engine.engine import LLMEngine, resolve_dtype
 from jaxserve.engine.runner import ModelRunner
-from jaxserve.estimate import estimate, load_model_config
+from jaxserve.estimate import estimate, load_model_config, report
 from jaxserve.models.llama import Llama, abstract_model
 from jaxserve.observability.gpus import GPUS, GiB, gpu_for_device_kind
 from jaxserve.quant.memory import weight_bytes
@@ -222,3 +222,17 @@ LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "inter
               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192, "rope_type": "llama3"},
               "hidden_act": "silu", "tie_word_embeddings": False, "rms_norm_eps": 1e-05}
+
+
+def test_a_bfloat16_checkpoint_run_in_float32_here_counts_its_kept_projections_as_stored():
+    """On this machine (CPU kernels) the engine keeps a bfloat16 checkpoint's projections bfloat16 under float32
+    arithmetic (kept_in_storage); the estimate counts them so and says it. For a GPU target nothing is kept."""
+    cfg = dataclasses.replace(MEDIUM, dtype="bfloat16")
+    here = estimate(cfg, ENGINE.replace(matmul="cpu"), memory_bytes=GiB, weight_dtype="float32")
+    gpu = estimate(cfg, ENGINE.replace(matmul="cpu"), memory_bytes=GiB, gpu=GPUS["h100"], weight_dtype="float32")
+    projections = {f"layers/{name}" for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    assert set(here.kept) == projections | ({"lm_head"} if not cfg.tie_word_embeddings else set())
+    assert here.memory.weights == weight_bytes(cfg, "float32", dict.fromkeys(here.kept, "bfloat16"))
+    assert here.memory.weights < gpu.memory.weights == weight_bytes(cfg, "float32")
+    assert "weights float32 (projections stored bfloat16)" in report(here).splitlines()[0]
+    assert gpu.kept == () and "projections stored" not in report(gpu)
