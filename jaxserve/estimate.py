@@ -34,10 +34,10 @@ from jaxserve.config import ConfigError, EngineConfig, ModelConfig, env_str, mod
 from jaxserve.convert import quantized
 from jaxserve.engine.buckets import engine_buckets
 from jaxserve.engine.memory import KVPlan, plan_kv_cache, wanted_pages
-from jaxserve.engine.placement import abstract_on_mesh, engine_mesh, kv_cache_shardings, model_sharder
+from jaxserve.engine.placement import abstract_on_mesh, engine_mesh, kept_weights, kv_cache_shardings, model_sharder
 from jaxserve.engine.sampler import SlotState
 from jaxserve.kv.cache import CACHE_AXES, KVCache
-from jaxserve.models.llama import abstract_model, abstract_weights, kept_in_storage, numpy_dtype
+from jaxserve.models.llama import abstract_model, abstract_weights, numpy_dtype
 from jaxserve.observability.cost import ModelCost
 from jaxserve.observability.gpus import GPUS, GiB, GpuSpec
 from jaxserve.parallel.sharding import DATA, MODEL, divisible_rules
@@ -229,15 +229,6 @@ def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> i
                if engine.xla_optimization_level is not None else None)
     runner = ModelRunner(model, kv, slots, buckets, kernels, options, sharder)
     return runner.measure_transients(buckets.largest_shapes())
-
-
-def kept_weights(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> tuple[str, ...]:
-    """The weights an engine on this machine keeps in the checkpoint's dtype (EngineCore.from_model_dir)."""
-    from jaxserve.models.kernels import Kernels
-    if engine.merge_lora:
-        return ()
-    return kept_in_storage(cfg, dtype, Kernels.resolve(engine.attention, engine.matmul, None,
-                                                       engine.tensor_parallel_size))
 
 
 def weight_arrays(cfg: ModelConfig, dtype: str, keep_stored: Collection[str] = ()

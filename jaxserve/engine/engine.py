@@ -34,8 +34,8 @@ from jaxserve.engine.multihost import leader_mirror
 from jaxserve.engine.messages import (EngineRequest, PromptLogprobsChunk, SampleDelta, SchedulerStats,
                                      SpecDecodeStats, StepOutputs)
 from jaxserve.engine.output import OutputProcessor
-from jaxserve.engine.placement import (abstract_on_mesh, create_on_mesh, engine_mesh, free_memory, kv_cache_shardings,
-                                       model_sharder, place_model)
+from jaxserve.engine.placement import (abstract_on_mesh, create_on_mesh, engine_mesh, free_memory, kept_weights,
+                                       kv_cache_shardings, model_sharder, place_model)
 from jaxserve.engine.runner import ModelRunner, PendingForward, PendingStep
 from jaxserve.engine.sampler import SamplingFlags, SlotState, slot_row
 from jaxserve.engine.stats import NullMeter, StepMeter, StepRecord
@@ -47,7 +47,7 @@ from jaxserve.lora.adapter import LoraError, read_adapter
 from jaxserve.lora.registry import AdapterRegistry, LoraInfo, LoraInUseError, parse_lora_module
 from jaxserve.lora.slots import AdapterSlots
 from jaxserve.models.kernels import Kernels
-from jaxserve.models.llama import Llama, kept_in_storage, numpy_dtype, pack_weights, stored_dtypes
+from jaxserve.models.llama import Llama, numpy_dtype, pack_weights, stored_dtypes
 from jaxserve.outputs import OutputKind, RequestOutput, TokenLogprob
 from jaxserve.parallel import multihost
 from jaxserve.quant.kv import kv_storage_dtype
@@ -261,11 +261,8 @@ class EngineCore:
         dtype = resolve_dtype(config.dtype, model_cfg.dtype)
         mesh = mesh or engine_mesh(config)
         sharder = model_sharder(model_cfg, mesh, numpy_dtype(dtype))
-        # a bfloat16 checkpoint's projections stay bfloat16 when the CPU kernel multiplies them in float32 (not when
-        # an adapter is merged into them: the sum would round)
-        kernels = Kernels.resolve(config.attention, config.matmul, None, config.tensor_parallel_size)
-        keep = kept_in_storage(model_cfg, dtype, kernels) if not config.merge_lora else ()
-        model = load_model(model_dir, dtype=dtype, sharding_for=sharder.sharding, keep_stored=keep)
+        model = load_model(model_dir, dtype=dtype, sharding_for=sharder.sharding,
+                           keep_stored=kept_weights(model_cfg, config, dtype))
         tokenizer = load_tokenizer(model_dir, model_type=model_cfg.family)
         return cls(model, config, tokenizer, show_progress=show_progress, mesh=mesh, owns_model=True)
 

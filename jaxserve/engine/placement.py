@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
 from jaxserve.engine.memory import free_device_memory
 from jaxserve.kv.cache import CACHE_AXES, KVCache
-from jaxserve.models.llama import Llama, abstract_model
+from jaxserve.models.kernels import Kernels
+from jaxserve.models.llama import Llama, abstract_model, kept_in_storage
 from jaxserve.parallel import MeshError, Sharder, make_mesh
 from jaxserve.parallel.multihost import agree_min
 
@@ -100,3 +101,13 @@ def free_memory(mesh: Mesh) -> int:
     """Free bytes on the fullest device of the mesh, agreed across processes (every host sizes the cache alike)."""
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     return agree_min(min(free_device_memory(d) for d in local))
+
+
+def kept_weights(cfg: ModelConfig, config: EngineConfig, dtype: str) -> tuple[str, ...]:
+    """The weights an engine of `config` on this machine loads in the checkpoint's dtype (kept_in_storage): a
+    bfloat16 checkpoint's projections when the CPU kernel multiplies them in float32; none when an adapter is merged
+    into them (the sum would round)."""
+    if config.merge_lora:
+        return ()
+    return kept_in_storage(cfg, dtype, Kernels.resolve(config.attention, config.matmul, None,
+                                                       config.tensor_parallel_size))

@@ -364,6 +364,11 @@ def kept_in_storage(cfg: ModelConfig, dtype: str, kernels: Kernels) -> tuple[str
     return layers_ + (("lm_head",) if model._lm_head_in_place(kernels) and floating(model.lm_head) else ())
 
 
+def path_name(path) -> str:
+    """A pytree key path of the model's weights as weight_specs names it ("layers/wq")."""
+    return "/".join(str(getattr(key, "key", key)) for key in path)
+
+
 def abstract_weights(cfg: ModelConfig, dtype, keep_stored: Collection[str] = ()):
     """(graphdef, Param state with ShapeDtypeStruct leaves) of a `cfg` checkpoint as it loads to run in `dtype`:
     float weights in `dtype`, but those whose path is in keep_stored (kept_in_storage) in the checkpoint's dtype;
@@ -374,7 +379,7 @@ def abstract_weights(cfg: ModelConfig, dtype, keep_stored: Collection[str] = ())
         value = var.get_value()
         if not jnp.issubdtype(value.dtype, jnp.floating) or var.get_metadata().get("keep_dtype", False):
             return var
-        stored = "/".join(str(getattr(key, "key", key)) for key in path) in keep_stored
+        stored = path_name(path) in keep_stored
         return var.replace(jax.ShapeDtypeStruct(value.shape, numpy_dtype(cfg.dtype) if stored else dtype))
 
     return graphdef, jax.tree_util.tree_map_with_path(leaf, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -384,7 +389,7 @@ def stored_dtypes(model: Llama) -> dict[str, str]:
     """The float weights stored in another dtype than the model runs in (kept_in_storage), by path."""
     specs = weight_specs(model.cfg)
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
-    paths = {"/".join(str(key.key) for key in path): value.dtype for path, value in flat}
+    paths = {path_name(path): value.dtype for path, value in flat}
     return {path: jnp.dtype(dtype).name for path, dtype in paths.items()
             if path in specs and jnp.issubdtype(dtype, jnp.floating) and dtype != model.dtype}
 
