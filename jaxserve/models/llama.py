@@ -400,15 +400,16 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:
 
 
 def random_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Llama:
-    """A randomly initialised model, built on device in one compiled call (fast even for 8B shapes)."""
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, dtype))
+    """A randomly initialised model, built on device in one compiled call (fast even for 8B shapes); the call is
+    compiled once per config and dtype, the seed is its argument."""
+    graphdef, build = _random_builder(cfg, jnp.dtype(dtype))
+    return nnx.merge(graphdef, build(jnp.int32(seed)))
 
-    @jax.jit
-    def build():
-        return nnx.state(Llama(cfg, dtype, rngs=nnx.Rngs(seed)))
 
-    del abstract_state
-    return nnx.merge(graphdef, build())
+@functools.lru_cache(maxsize=16)
+def _random_builder(cfg: ModelConfig, dtype):
+    graphdef, _ = nnx.split(abstract_model(cfg, dtype))
+    return graphdef, jax.jit(lambda seed: nnx.state(Llama(cfg, dtype, rngs=nnx.Rngs(jax.random.key(seed)))))
 
 
 def numpy_dtype(name: str):
