@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -13,7 +14,7 @@ from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.models.llama import random_model
+from jaxserve.models.llama import _random_builder, random_model
 from jaxserve.sampling_params import SamplingParams
 
 MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -32,6 +33,22 @@ def model():
     state = nnx.state(m, nnx.Param)
     nnx.update(m, jax.tree.map(lambda w: w * 8 if w.ndim >= 2 else w, state))
     return m
+
+
+def test_random_models_compile_once_a_config_and_the_seed_picks_the_weights():
+    """random_model's builder is compiled once per config and dtype; each call returns new arrays, equal for the same
+    seed, different for another; a config that cannot be hashed (a list for a tuple) still builds."""
+    random_model(MODEL, jnp.float32, seed=7)
+    before = _random_builder.cache_info()
+    a, b, c = (random_model(MODEL, jnp.float32, seed=s) for s in (7, 7, 8))
+    after = _random_builder.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 3
+    leaves = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (a, b, c)]
+    assert all(np.array_equal(x, y) for x, y in zip(leaves[0], leaves[1], strict=True))
+    assert not np.array_equal(leaves[0][0], leaves[2][0])
+    assert a.layers.wq[...] is not b.layers.wq[...]
+    odd = random_model(dataclasses.replace(MODEL, eos_token_ids=[2]), jnp.float32, seed=7)
+    assert odd.cfg.eos_token_ids == [2]
 
 
 @pytest.fixture(scope="module")

@@ -402,7 +402,10 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> Llama:
 def random_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Llama:
     """A randomly initialised model, built on device in one compiled call (fast even for 8B shapes); the call is
     compiled once per config and dtype, the seed is its argument."""
-    graphdef, build = _random_builder(cfg, jnp.dtype(dtype))
+    try:
+        graphdef, build = _random_builder(cfg, jnp.dtype(dtype))
+    except TypeError:  # an unhashable config (a list where a tuple belongs): compiled for this call alone
+        graphdef, build = _random_builder.__wrapped__(cfg, jnp.dtype(dtype))
     return nnx.merge(graphdef, build(jnp.int32(seed)))
 
 
