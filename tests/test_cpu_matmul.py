@@ -143,9 +143,9 @@ def test_resolution():
     assert not Kernels.resolve("xla", "xla").reads_stacked("float32")
 
 
-# The engines below compile one decode bucket and two prompt buckets (16 tokens: the one-row-at-a-time paths; 128
-# tokens: more than 64 rows, the cache-blocked path) instead of the default ladders: the same kernels' paths, a
-# third of the compile time.
+# The engines below compile one decode bucket and two prompt buckets instead of the default ladders: decode steps
+# of 1-4 rows and prompt steps of up to 16 tokens take the streaming and register-blocked paths, the 128-token
+# bucket (more than 64 rows) the cache-blocked one, so every kernel path runs with fewer compiles.
 FEW_SHAPES = dict(decode_buckets=(4,), prefill_token_buckets=(16, 128), xla_optimization_level=0)
 
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
