@@ -16,8 +16,9 @@ from jaxserve import cpu
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.llm import LLM
+from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models.kernels import Kernels, resolve_matmul
-from jaxserve.models.llama import DecoderLayers, kept_in_storage, pack_weights, random_model
+from jaxserve.models.llama import DecoderLayers, Llama, kept_in_storage, pack_weights, random_model
 from jaxserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or cpu.compiler() is None,
@@ -191,6 +192,42 @@ def test_every_step_reads_weights_in_place(quantization):
         assert "stablehlo.dot_general" not in text, shape
     for shape, text in texts.get("xla", {}).items():
         assert cpu.MATMUL_TARGET not in text and "stablehlo.dot_general" in text, shape
+
+
+def test_the_last_layer_multiplies_only_the_wanted_rows():
+    """A prompt step needs the final hidden state only where logits are taken: given `wanted`, the model gathers
+    those tokens to the front after the last layer's attention and multiplies only them through its output
+    projection and MLP. Their hidden states are the full pass's, every layer's K and V are written alike, and the
+    rows past them were not run through the last MLP. Only the in-place kernel prunes."""
+    model = random_model(dataclasses.replace(TINY, num_layers=2), jnp.float32, seed=3)
+    kernels = Kernels.resolve("xla", "cpu")
+    assert model.prunes_rows(kernels) and not model.prunes_rows(Kernels.resolve("xla", "xla"))
+    page_size, num_tokens = 8, 32
+    query_lens = [5, 17, 3]  # three prompts, then padding
+    query_start = jnp.asarray(np.cumsum([0] + query_lens), jnp.int32)
+    tables = jnp.asarray([[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 0, 0]], jnp.int32)
+    meta = AttentionMetadata.build(tables, jnp.asarray(query_lens + [0], jnp.int32),
+                                   jnp.concatenate([query_start, query_start[-1:]]), num_tokens, page_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 300, num_tokens), jnp.int32)
+    cache = KVCache.zeros(2, TINY.num_kv_heads, 10, page_size, TINY.head_dim, jnp.float32)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, wanted):
+        decoder: Llama = nnx.merge(graphdef, state)
+        return decoder(tokens, cache, meta, kernels, wanted=wanted)
+
+    last = query_start[1:] - 1  # [4, 21, 24]
+    order = jnp.zeros(num_tokens, jnp.int32).at[:3].set(last)
+    full, full_cache = forward(state, None)
+    pruned, pruned_cache = forward(state, (order, jnp.int32(3)))
+    np.testing.assert_allclose(pruned[:3], full[last], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(full_cache), jax.tree.leaves(pruned_cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the rows past the wanted ones skipped the last layer's products: token 0's state is not the full pass's
+    assert not np.allclose(pruned[3:], full[0], atol=1e-3)
+    with pytest.raises(ValueError, match="prunes rows"):
+        nnx.merge(graphdef, state)(tokens, cache, meta, Kernels.resolve("xla", "xla"), wanted=(order, jnp.int32(3)))
 
 
 # every projection's and the LM head's output dims are whole 64-column panels: the engine packs them all

@@ -79,7 +79,8 @@ class DraftInputs:
 @dataclasses.dataclass
 class ModelOutputs:
     logits: jax.Array  # [S, vocab] float32 at each sequence's last new token (or at `logit_rows`)
-    hidden: jax.Array  # [T, hidden] final hidden states (read only when prompt logprobs are wanted)
+    hidden: jax.Array  # [T, hidden] final hidden states (read only when prompt logprobs are wanted: every row
+    # is computed, in place, only then; see model_step)
     token_slots: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
 
@@ -111,12 +112,21 @@ def model_step(graphdef, params, kv: KVCache, token_buffer: jax.Array, inputs: S
     row = jnp.minimum(meta.seq_ids, num_seqs - 1)
     token_slots = jnp.where(valid, inputs.row_slots[row], 0)
     token_adapters = jnp.where(valid, inputs.lora_slots[row], 0)
-    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels, token_adapters)
     if logit_rows is None:  # each sequence's last token; the padding rows (empty, at the end) need no logits
-        last = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
-        logits = model.logits(hidden[last], kernels, rows=meta.real_seqs())
+        rows, real_rows = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1), meta.real_seqs()
     else:
-        logits = model.logits(hidden[logit_rows], kernels)
+        rows, real_rows = logit_rows, None
+    wanted = None
+    if not is_decode and rows.shape[0] < num_tokens and model.prunes_rows(kernels):
+        # Only the rows logits are taken at need the last layer's output projection and MLP, unless prompt
+        # logprobs (read at every row) are asked for: then every row, in place.
+        every = inputs.flags[FLAG_PROMPT_LOGPROBS]
+        tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+        wanted = (jnp.where(every, tokens, jnp.pad(rows, (0, num_tokens - rows.shape[0]))),
+                  jnp.where(every, meta.real_tokens(), rows.shape[0] if real_rows is None else real_rows))
+        rows = jnp.where(every, rows, jnp.arange(rows.shape[0], dtype=jnp.int32))
+    hidden, kv = model(token_buffer[token_slots, meta.positions], kv, meta, kernels, token_adapters, wanted)
+    logits = model.logits(hidden[rows], kernels, rows=real_rows)
     return kv, ModelOutputs(logits, hidden, token_slots, meta.positions)
 
 

@@ -132,31 +132,37 @@ class DecoderLayers(nnx.Module):
 
     PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
-    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA, lora_mask=None, in_place=()):
+    def __call__(self, x, cos, sin, attend, cfg: ModelConfig, kernels: Kernels = XLA, lora_mask=None, in_place=(),
+                 keep=None):
         """One layer. x: [..., T, hidden]; `attend(q, k, v) -> (out, aux)` does the attention (paged or dense)
         and `aux` (the updated cache, for the paged path) is handed back to the caller. With adapter slots
         attached (jaxserve.lora.weights), lora_mask [..., T, slots] selects each token's adapter. `in_place`:
         (names, layer index, real rows) of projections whose weights are still stacked, read in place by
-        kernels.stacked_matmul, and how many of the leading tokens are real (the rest padding, skipped)."""
+        kernels.stacked_matmul, and how many of the leading tokens are real (the rest padding, skipped).
+        `keep`: (order [T] int32, rows int32 scalar) when only some rows of the output are wanted: after the
+        attention (which every token's K and V need) the tokens are gathered in `order`, so output row i is token
+        order[i]'s, and the projections read in place multiply only the leading `rows` (the rest come out as
+        whatever the zero products give: not wanted)."""
         stacked, index, rows = in_place or ((), None, None)
 
-        def with_lora(out, inputs, name: str):
-            if lora_mask is None:
+        def with_lora(out, inputs, name: str, mask):
+            if mask is None:
                 return out
-            return (out + self.lora.delta(name, inputs, lora_mask)).astype(out.dtype)
+            return (out + self.lora.delta(name, inputs, mask)).astype(out.dtype)
 
-        def dense(inputs, name: str, spec: str):
+        def dense(inputs, name: str, spec: str, rows=rows, mask=lora_mask):
             kept = name in stacked
             out = _dense(inputs, getattr(self, name), spec, kernels=kernels, layer=index if kept else None,
                          rows=rows if kept else None)
-            return with_lora(out, inputs, name)
+            return with_lora(out, inputs, name, mask)
 
-        def dense_group(inputs, names: tuple[str, ...], spec: str):
+        def dense_group(inputs, names: tuple[str, ...], spec: str, rows=rows, mask=lora_mask):
             """[dense(inputs, name, spec) for name in names], in one kernel call when it reads them all in place."""
             if not set(names) <= set(stacked):
-                return [dense(inputs, name, spec) for name in names]
+                return [dense(inputs, name, spec, rows, mask) for name in names]
             outs = stacked_dense_group(inputs, [getattr(self, name) for name in names], spec, kernels, index, rows)
-            return [with_lora(out.astype(inputs.dtype), inputs, name) for out, name in zip(outs, names, strict=True)]
+            return [with_lora(out.astype(inputs.dtype), inputs, name, mask)
+                    for out, name in zip(outs, names, strict=True)]
 
         norm = functools.partial(layers.rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
         h = norm(x, self.attn_norm[...])
@@ -167,6 +173,11 @@ class DecoderLayers(nnx.Module):
             q, k = norm(q, self.q_norm[...]), norm(k, self.k_norm[...])
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
         attn, aux = attend(q, k, v)
+        if keep is not None:
+            order, kept_rows = keep
+            attn, x = jnp.take(attn, order, axis=-3, mode="clip"), jnp.take(x, order, axis=-2, mode="clip")
+            mask = None if lora_mask is None else jnp.take(lora_mask, order, axis=-2, mode="clip")
+            dense, dense_group = (functools.partial(f, rows=kept_rows, mask=mask) for f in (dense, dense_group))
         out = dense(attn, "wo", "...thd,hde->...te")
         x = x + (norm(out, self.attn_post_norm[...]) if cfg.sandwich_norms else out)
         out = self._mlp(norm(x, self.mlp_norm[...]), cfg, dense, dense_group, kernels)
@@ -201,15 +212,24 @@ class Llama(nnx.Module):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, cache: KVCache, meta: AttentionMetadata,
-                 kernels: Kernels = XLA, lora_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 kernels: Kernels = XLA, lora_slots: jax.Array | None = None,
+                 wanted: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
         """tokens [T] int32 -> final hidden states [T, hidden] (before the final norm), updated cache.
-        lora_slots [T] int32: each token's adapter slot (0: none), when adapter slots are attached."""
+        lora_slots [T] int32: each token's adapter slot (0: none), when adapter slots are attached.
+
+        wanted (only where prunes_rows(kernels)): (order [T] int32, rows int32 scalar) when only the final hidden
+        states of tokens order[:rows] are wanted (those logits are taken at). Every layer but the last runs on all
+        tokens; the last gathers the tokens in `order` after its attention and multiplies only the leading `rows`
+        through its output projection and MLP, so row i of the result is token order[i]'s for i < rows (the rest
+        are not wanted). In a prompt step that is most of the last layer's products."""
         cfg = self.cfg
         x = self._embed(tokens)
         rope_of_layer = self._rope(meta.positions, x.dtype)
         lora_mask = self._lora_mask(lora_slots, x.dtype)
         in_place = self._read_in_place(kernels)
         real_tokens = meta.real_tokens() if in_place else None  # the padding's rows are skipped
+        if wanted is not None and not self.prunes_rows(kernels):
+            raise ValueError("only a model whose output projection and MLP are read in place prunes rows")
 
         def one_layer(layer, carry, index):
             x, cache = carry
@@ -218,8 +238,13 @@ class Llama(nnx.Module):
                 return attend_paged(q, k, v, cache, index, meta, sliding_window=self._window(index),
                                     scale=cfg.attention_scale, softcap=cfg.attn_logit_softcapping, kernels=kernels)
 
+            keep = None
+            if wanted is not None:  # the same body for every layer: the others keep every token in place
+                last = index == cfg.num_layers - 1
+                keep = (jnp.where(last, wanted[0], jnp.arange(x.shape[-2], dtype=jnp.int32)),
+                        jnp.where(last, wanted[1], real_tokens))
             return layer(x, *rope_of_layer(index), attend, cfg, kernels, lora_mask,
-                         in_place=(in_place, index, real_tokens))
+                         in_place=(in_place, index, real_tokens), keep=keep)
 
         return self._scan_layers(one_layer, (x, cache), keep_stacked=in_place)
 
@@ -283,6 +308,11 @@ class Llama(nnx.Module):
         return tuple(name for name in DecoderLayers.PROJECTIONS  # MoE: no MLP ones
                      if hasattr(self.layers, name) and read_in_place(weight := getattr(self.layers, name))
                      and kernels.reads_stacked(stored_dtype(weight)))
+
+    def prunes_rows(self, kernels: Kernels) -> bool:
+        """Whether __call__ can skip the last layer's output projection and MLP for unwanted tokens: the kernel
+        reads those weights in place, and it multiplies only the leading rows it is told are wanted."""
+        return {"wo", "w_gate", "w_up", "w_down"} <= set(self._read_in_place(kernels))
 
     def _lm_head_in_place(self, kernels: Kernels) -> bool:
         """Whether kernels.stacked_matmul reads the (untied) LM head in place."""
