@@ -205,6 +205,13 @@ def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> i
     """The engine's own measurement (ModelRunner.measure_transients on its largest step shapes, against the
     largest cache it would allocate), made on this machine's backend from abstract weights: nothing is allocated.
     On another backend than the target's, this is the XLA of this machine's figure."""
+    runner = abstract_runner(cfg, engine, dtype)
+    return runner.measure_transients(runner.buckets.largest_shapes())
+
+
+def abstract_runner(cfg: ModelConfig, engine: EngineConfig, dtype: str):
+    """The ModelRunner an engine with this config would build (its kernels, buckets, shardings, and the largest cache
+    it would allocate), over abstract weights and caches: it lowers and compiles step shapes, nothing is allocated."""
     from jaxserve.engine.runner import ModelRunner
     from jaxserve.models.kernels import Kernels
     max_len = engine.resolved_max_model_len(cfg)
@@ -227,8 +234,7 @@ def measure_temporaries(cfg: ModelConfig, engine: EngineConfig, dtype: str) -> i
     buckets = engine_buckets(engine, max_len, kernels.attention_name)
     options = ({"xla_backend_optimization_level": engine.xla_optimization_level}
                if engine.xla_optimization_level is not None else None)
-    runner = ModelRunner(model, kv, slots, buckets, kernels, options, sharder)
-    return runner.measure_transients(buckets.largest_shapes())
+    return ModelRunner(model, kv, slots, buckets, kernels, options, sharder)
 
 
 def weight_arrays(cfg: ModelConfig, dtype: str, keep_stored: Collection[str] = ()

@@ -16,6 +16,7 @@ from jaxserve import cpu
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.llm import LLM
+from jaxserve.estimate import abstract_runner
 from jaxserve.kv.cache import AttentionMetadata, KVCache
 from jaxserve.models.kernels import Kernels, resolve_matmul
 from jaxserve.models.llama import DecoderLayers, Llama, kept_in_storage, pack_weights, random_model
@@ -177,13 +178,14 @@ def test_engine_generates_what_xla_does(quantization):
 def test_every_step_reads_weights_in_place(quantization):
     """Decode and prompt steps alike: every projection goes through the kernel (q, k and v in one call, gate and up
     in another), and the LM head too (float32, unquantized in both models), so no weight slice is copied out and no
-    XLA dot is left; with matmul=xla there are XLA dots (what this test looks for is there to find: checked once, on the float model)."""
+    XLA dot is left; with matmul=xla there are XLA dots (what this test looks for is there to find: checked once, on the float model).
+    The steps are lowered by the runner such an engine builds (estimate.abstract_runner), not compiled."""
     cfg = dataclasses.replace(TINY, quantization=quantization)
     texts = {}
     for matmul in ("cpu", "xla") if quantization is None else ("cpu",):
         config = EngineConfig(max_num_seqs=128, max_num_batched_tokens=128, max_model_len=64, matmul=matmul,
                               decode_buckets=(1, 128), prefill_token_buckets=(16, 128), xla_optimization_level=0)
-        runner = LLMEngine(random_model(cfg, jnp.float32), config, show_progress=False).core.runner
+        runner = abstract_runner(cfg, config, "float32")
         texts[matmul] = {shape: runner._lower_step(shape).as_text() for shape in runner.buckets.shapes()}
     assert {(shape.kind, shape.tokens) for shape in texts["cpu"]} >= {("decode", 1), ("decode", 128),
                                                                       ("prefill", 16), ("prefill", 128)}
