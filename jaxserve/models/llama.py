@@ -433,9 +433,11 @@ def random_model(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> Llama:
     """A randomly initialised model, built on device in one compiled call (fast even for 8B shapes); the call is
     compiled once per config and dtype, the seed is its argument."""
     try:
-        graphdef, build = _random_builder(cfg, jnp.dtype(dtype))
+        hash(cfg)
+        builder = _random_builder
     except TypeError:  # an unhashable config (a list where a tuple belongs): compiled for this call alone
-        graphdef, build = _random_builder.__wrapped__(cfg, jnp.dtype(dtype))
+        builder = _random_builder.__wrapped__
+    graphdef, build = builder(cfg, jnp.dtype(dtype))
     return nnx.merge(graphdef, build(jnp.int32(seed)))
 
 
