@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "jaxserve checkpoint, to write a --quantize'd copy of it). GPTQ, AWQ, "
                              "compressed-tensors and FP8 checkpoints are imported in their own format")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the jaxserve checkpoint (new or empty)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+    parser.add_argument("--dtype", type=_storage_dtype, default=None, metavar="{bfloat16,float32}",
                         help="dtype to store the weights in (default: config.json's; float16 becomes bfloat16)")
     parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
                         help="store the decoder layers' projections weight-only quantized: int8 (per-output-channel "
@@ -25,6 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint is imported in its own format, never dequantized)")
     parser.add_argument("--force", action="store_true",
                         help="replace the jaxserve checkpoint in a non-empty OUT_DIR")
+
+
+STORAGE_DTYPES = ("bfloat16", "float32")
+
+
+def _storage_dtype(value: str) -> str:
+    """--dtype's value; int8 and int4 are --quantize's, and the error says so."""
+    if value in STORAGE_DTYPES:
+        return value
+    if value in ("int8", "int4"):
+        raise argparse.ArgumentTypeError(
+            f"{value} is a weight-only quantization, not a storage dtype: use --quantize {value} (and "
+            f"--quantize-lm-head {value} for the LM head too); --dtype is what everything else is stored in, "
+            f"bfloat16 or float32")
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from 'bfloat16', 'float32')")
 
 
 def run(args: argparse.Namespace) -> int:
