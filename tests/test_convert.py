@@ -414,6 +414,12 @@ def test_cli_names_the_storage_dtypes_for_any_other_dtype(tmp_path, capsys):
     assert "'float64'" in err and "bfloat16" in err and "float32" in err
 
 
+def test_the_commands_choices_are_the_converters():
+    from jaxserve.convert import command, converter
+    from jaxserve.quant.schemes import SCHEMES
+    assert command.STORAGE_DTYPES == converter.OUTPUT_DTYPES and command.QUANTIZE_SCHEMES == SCHEMES
+
+
 def test_cli_converts(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["convert", str(FIXTURES / "qwen3" / "hf"), str(out), "--dtype", "bfloat16"]) == 0
