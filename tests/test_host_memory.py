@@ -22,15 +22,15 @@ def step(x):  # three [256, 32000] float32 temporaries (32 MB each), like a deco
 
 x = jnp.ones((256, 32000), jnp.float32)
 host_memory.release()
-for _ in range(20):  # the heap settles after a few calls (here 4-10)
+for _ in range(20):  # compile; the first calls grow the heap
     step(x).block_until_ready()
-windows = []
-for _ in range(3):  # the best of three windows: one full test run saw a window still faulting (see the note)
+per_call = []
+for _ in range(30):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
-        step(x).block_until_ready()
-    windows.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
-print(json.dumps({"tuned": host_memory._libc is not None, "faults_per_call": min(windows), "windows": windows}))
+    step(x).block_until_ready()
+    per_call.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"tuned": host_memory._libc is not None, "median": sorted(per_call)[len(per_call) // 2],
+                  "per_call": per_call}))
 """
 
 
@@ -43,10 +43,13 @@ def probe(script: str = PROBE, **env) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_step_temporaries_stay_resident():
+    """glibc's defaults fault the 64+ MB of temporaries in at every call; tuned, most calls fault nothing. Not every
+    call: while the single arena is fragmented, a call whose 64 MB block fits no free chunk grows the heap and faults
+    the new pages in once (one call in ten at calls 20-50 on a loaded 2-vCPU VM; see jaxserve/host_memory.py)."""
     tuned, default = probe(), probe(JAXSERVE_HOST_MALLOC="default")
     assert tuned["tuned"] and not default["tuned"]
-    assert default["faults_per_call"] > 5000  # glibc's defaults fault the 64+ MB of temporaries in at every call
-    assert tuned["faults_per_call"] < 100, tuned
+    assert default["median"] > 5000, default
+    assert tuned["median"] < 100, tuned
 
 
 def test_only_for_a_cpu_only_process(monkeypatch):
