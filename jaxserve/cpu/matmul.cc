@@ -191,7 +191,12 @@ inline void Write(const Shape& s, const float* acc, int64_t acc_stride, const fl
 // small preset's float32 projections at 5 / 16 / 64 rows 9 / 4 / 11% faster, int8 at 5 rows 1.35x
 // (bench/cpu_matmul.py).
 constexpr int64_t kMR = 6;     // rows of x per register tile
-constexpr int kNR = 4;         // vectors of columns per register tile
+#if defined(__AVX512F__)
+constexpr int kNR = 4;         // vectors of columns per register tile: 6 x 4 sums + 4 weights + 1 of 32 registers
+#else
+constexpr int kNR = 2;         // AVX2: 6 x 2 sums + 2 + 1 of the 16 (4 spilled: 16 / 64 rows 1.14-1.18 / 1.31-1.43x
+                               // slower float32, 1.28-1.41 / 1.41-1.49x int8; 2-vCPU Zen 3, bench/cpu_matmul.py)
+#endif
 constexpr int64_t kKC = 32;    // weight rows a band: a tile sums them in registers before writing its sums
 constexpr int64_t kBlockedAcc = 65536;  // a task's [M, nb] float32 sums, at most (256 KB: L2)
 
@@ -307,6 +312,19 @@ void PackRows(const Shape& s, const float* x, float* xp) {
   }
 }
 
+// The vectors of columns a tile of `rows` rows walks on a packed weight (one tile of x). With AVX2 (16 registers,
+// 8 lanes) a one-row tile takes the whole 64-column panel (8 sums), so each packed row is one sequential run; wider
+// tiles take 4 vectors (up to 24 sums: some spill, and still measured level with 2 vectors' 12 at 4-6 rows). On
+// the 2-vCPU Zen 3 VM (bench/cpu_matmul.py's projections, packed, interleaved in one process) one row ran 1.29-1.36x
+// (float32) and 1.06-1.20x (int8) faster than in two 4-vector halves, 2-4 rows 1.02-1.06x.
+inline int OneTileVectors(int64_t rows) {
+#if defined(__AVX512F__)
+  return kNR;
+#else
+  return rows == 1 ? 8 : 4;
+#endif
+}
+
 // acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1], register-blocked; xp is x packed.
 template <typename WT>
 void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
@@ -314,13 +332,23 @@ void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0,
   const int64_t nb = n1 - n0;
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
   // One tile of x on a packed weight: panel by panel, each walked down all its rows, one sequential run the
-  // prefetchers follow (band-ahead prefetching measured slower here). More tiles read x's rows once a band per
-  // panel: band by band, below, so that x's band stays in L1 across the panels.
+  // prefetchers follow (band-ahead prefetching measured slower here). A tile narrower than the panel (AVX2, more
+  // than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
+  // memory once, in order, and from L1 for the other parts. More tiles read x's rows once a band per panel: band
+  // by band, below, so that x's band stays in L1 across the panels.
   if (s.packed && s.m <= kMR) {
-    for (int64_t j = 0; j < nb; j += kNR * kLanes) {
+    const int nr = OneTileVectors(s.m);
+    for (int64_t p = 0; p < nb; p += kPackCols) {
       for (int64_t kb = k0; kb < k1; kb += kKC) {
-        Panel<kNR>(s, xp, kb, At(s, w, kb, n0 + j), std::min(kKC, k1 - kb), static_cast<const WT*>(nullptr), acc + j,
-                   acc_stride);
+        const int64_t kc = std::min(kKC, k1 - kb);
+        for (int64_t j = p; j < p + kPackCols; j += nr * kLanes) {
+          const WT* panel = At(s, w, kb, n0 + j);
+          if (nr == 8) {
+            Panel<8>(s, xp, kb, panel, kc, static_cast<const WT*>(nullptr), acc + j, acc_stride);
+          } else {
+            Panel<4>(s, xp, kb, panel, kc, static_cast<const WT*>(nullptr), acc + j, acc_stride);
+          }
+        }
       }
     }
     return;
@@ -334,7 +362,7 @@ void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0,
     for (; j + kNR * kLanes <= nb; j += kNR * kLanes) {
       Panel<kNR>(s, xp, kb, At(s, w, kb, n0 + j), kc, next(j), acc + j, acc_stride);
     }
-    static_assert(kNR == 4, "one case per remaining vector count");
+    static_assert(kNR <= 4, "one case per remaining vector count");
     switch ((nb - j) / kLanes) {  // the last panel, narrower (never of a packed weight: N is whole panels)
       case 3: Panel<3>(s, xp, kb, At(s, w, kb, n0 + j), kc, next(j), acc + j, acc_stride); break;
       case 2: Panel<2>(s, xp, kb, At(s, w, kb, n0 + j), kc, next(j), acc + j, acc_stride); break;
