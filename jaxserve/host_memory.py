@@ -7,7 +7,7 @@ again page by page: 8,000 minor faults (32 MB) per call of the small Llama's bat
 time on a 2-vCPU Zen 3 VM (bench/fused_step_ab.py, RESULTS.md "Host allocator"). One arena that never returns memory
 to the OS and never mmaps makes later calls reuse earlier calls' pages: most steps fault nothing. Not all: glibc
 carves small allocations out of a freed large block, so a step's 64 MB block sometimes fits no free chunk and the
-heap grows, faulting the new pages in once. On a loaded 2-vCPU Zen 4 VM a [256, 32000] probe grew the heap in 64 MB
+heap grows, faulting the new pages in once. On a loaded 2-vCPU Zen 3 VM a [256, 32000] probe grew the heap in 64 MB
 steps at calls 0-4, 21, 23, 26 and 42 (630 MB of heap for ~100 MB of temporaries), then not once in 1,458 calls.
 
 `tune()` applies that with mallopt when jaxserve is imported, on Linux/glibc, when the process can only run JAX on

@@ -312,24 +312,22 @@ void PackRows(const Shape& s, const float* x, float* xp) {
   }
 }
 
-// The vectors of columns a tile of `rows` rows walks on a packed weight (one tile of x). With AVX2 (16 registers,
-// 8 lanes) a one-row tile takes the whole 64-column panel (8 sums), so each packed row is one sequential run; wider
-// tiles take 4 vectors (up to 24 sums: some spill, and still measured level with 2 vectors' 12 at 4-6 rows). On
-// the 2-vCPU Zen 3 VM (bench/cpu_matmul.py's projections, packed, interleaved in one process) one row ran 1.29-1.36x
-// (float32) and 1.06-1.20x (int8) faster than in two 4-vector halves, 2-4 rows 1.02-1.06x.
-inline int OneTileVectors(int64_t rows) {
+// The vectors of columns a tile walks on a packed weight when x is one tile (on AVX2 one row takes Streams,
+// below). With AVX2 (16 registers, 8 lanes) 4 vectors: up to 24 sums, some spilled, and still level with 2 vectors'
+// 12 at 4-6 rows; walked band by band over the panel's two halves, 2-4 rows ran 1.02-1.06x faster than half by
+// half (2-vCPU Zen 3 VM, bench/cpu_matmul.py's projections, packed, interleaved in one process).
 #if defined(__AVX512F__)
-  return kNR;
+constexpr int kOneTileNR = kNR;
 #else
-  return rows == 1 ? 8 : 4;
+constexpr int kOneTileNR = 4;
 #endif
-}
 
 // acc[0, :kPackCols] = x[0, k0:k1] @ w[k0:k1, j:j + kPackCols] for one row of x on a packed weight, the panel's
 // rows walked as S sequential streams at once (S equal parts of [k0, k1)), summed into one set of registers. One
 // stream a core read 18.8-21.2 GB/s on the 2-vCPU Zen 3 VM, two 26.0 (scratch read loop); a one-row product over
 // the panel's two halves at once ran 1.10-1.13x (float32) and 1.07-1.20x (int8) faster than down the panel in one
-// stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two.
+// stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two. Down
+// the whole panel in one stream was itself 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two halves.
 template <int S, typename WT>
 void Streams(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc) {
   constexpr int NR = kPackCols / kLanes;
@@ -375,17 +373,12 @@ void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0,
   }
 #endif
   if (s.packed && s.m <= kMR) {
-    const int nr = OneTileVectors(s.m);
     for (int64_t p = 0; p < nb; p += kPackCols) {
       for (int64_t kb = k0; kb < k1; kb += kKC) {
         const int64_t kc = std::min(kKC, k1 - kb);
-        for (int64_t j = p; j < p + kPackCols; j += nr * kLanes) {
-          const WT* panel = At(s, w, kb, n0 + j);
-          if (nr == 8) {
-            Panel<8>(s, xp, kb, panel, kc, static_cast<const WT*>(nullptr), acc + j, acc_stride);
-          } else {
-            Panel<4>(s, xp, kb, panel, kc, static_cast<const WT*>(nullptr), acc + j, acc_stride);
-          }
+        for (int64_t j = p; j < p + kPackCols; j += kOneTileNR * kLanes) {
+          Panel<kOneTileNR>(s, xp, kb, At(s, w, kb, n0 + j), kc, static_cast<const WT*>(nullptr), acc + j,
+                            acc_stride);
         }
       }
     }
