@@ -6,6 +6,10 @@ tokens (EOS ignored, greedy), all submitted at once. Reports output and total to
 and, measured in the same run, the bare weight matmuls of one decode step at that batch (the floor: every weight
 read once, no attention, no sampling, no host work; on a CPU also with one array per layer, see
 weight_matmul_floor), the ratio between the two, and the share of wall time the device sat idle waiting for the host.
+`host_cpu_ms_per_step` is the CPU time of the thread running the engine loop (scheduling, dispatch, reading
+results, output processing) per step of the timed run, and `host_cpu_share` that over the wall time: where the
+host's cores are also the device's (a CPU backend), that time is taken from the step's own threads, so it adds
+to the step rather than hiding behind it once the cores are busy.
 `decode_weight_gb_s` is the weight bytes one decode step must read over the mean step time, and
 `decode_weight_bw_vs_copy` (CPU) that over the copy bandwidth measured in the same run (bench/cpu_matmul.py).
 
@@ -242,7 +246,9 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     _generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "warm")
     device_seconds = _device_seconds(engine, prompts, params)
+    host_cpu = time.thread_time()
     wall, steps = _timed_run(engine, prompts, params)
+    host_cpu = time.thread_time() - host_cpu
     decode = [b.done_at - a.done_at for a, b in zip(steps, steps[1:])
               if a.shape.kind == "decode" and b.shape.kind == "decode"]
     step_time = statistics.mean(decode) if decode else float("nan")
@@ -263,6 +269,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 **_achieved_bandwidth(hardware, step_time),
                 device_s=round(device_seconds, 3),
                 host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
+                host_cpu_ms_per_step=round(host_cpu / len(steps) * 1e3, 3), host_cpu_share=round(host_cpu / wall, 3),
                 attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
