@@ -340,18 +340,14 @@ void Streams(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k
     r[i] = At(s, w, k0 + i * part, j);
     x[i] = xp + (k0 + i * part) * kMR;
   }
-  for (int64_t k = 0; k < part; ++k) {
-    for (int i = 0; i < S; ++i) {
-      const fvec bx = Broadcast(x[i][k * kMR]);
-      const WT* row = r[i] + k * kPackCols;
-      for (int v = 0; v < NR; ++v) c[v] += bx * Load(row + v * kLanes);
-    }
-  }
-  for (int64_t k = k0 + S * part; k < k1; ++k) {  // the rows left over from S equal parts
-    const fvec bx = Broadcast(xp[k * kMR]);
-    const WT* row = At(s, w, k, j);
+  const auto add_row = [&](float xk, const WT* row) {  // c += x[k] * w[k, j:j + kPackCols]
+    const fvec bx = Broadcast(xk);
     for (int v = 0; v < NR; ++v) c[v] += bx * Load(row + v * kLanes);
+  };
+  for (int64_t k = 0; k < part; ++k) {
+    for (int i = 0; i < S; ++i) add_row(x[i][k * kMR], r[i] + k * kPackCols);
   }
+  for (int64_t k = k0 + S * part; k < k1; ++k) add_row(xp[k * kMR], At(s, w, k, j));  // left over from S parts
   for (int v = 0; v < NR; ++v) Store(acc + v * kLanes, c[v]);
 }
 
@@ -360,9 +356,9 @@ template <typename WT>
 void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
                        float* acc, int64_t acc_stride) {
   const int64_t nb = n1 - n0;
-  for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
-  // One tile of x on a packed weight: panel by panel, each walked down all its rows, one sequential run the
-  // prefetchers follow (band-ahead prefetching measured slower here). A tile narrower than the panel (AVX2, more
+  // One tile of x on a packed weight: panel by panel, each walked down all its rows in sequential runs the
+  // prefetchers follow (band-ahead prefetching measured slower here); one row on AVX2 walks each panel's two halves
+  // at once (Streams, which writes its sums rather than adding to them). A tile narrower than the panel (AVX2, more
   // than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
   // memory once, in order, and from L1 for the other parts. More tiles read x's rows once a band per panel: band
   // by band, below, so that x's band stays in L1 across the panels.
@@ -372,6 +368,7 @@ void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0,
     return;
   }
 #endif
+  for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
   if (s.packed && s.m <= kMR) {
     for (int64_t p = 0; p < nb; p += kPackCols) {
       for (int64_t kb = k0; kb < k1; kb += kKC) {
