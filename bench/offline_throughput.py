@@ -249,8 +249,9 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     host_cpu = time.thread_time()
     wall, steps = _timed_run(engine, prompts, params)
     host_cpu = time.thread_time() - host_cpu
-    decode = [b.done_at - a.done_at for a, b in zip(steps, steps[1:])
-              if a.shape.kind == "decode" and b.shape.kind == "decode"]
+    decoding = ("decode", "burst")  # a burst: several decode steps in one call, its time shared by them
+    decode = [(b.done_at - a.done_at) / (b.sampled_tokens / b.num_seqs) for a, b in zip(steps, steps[1:])
+              if a.shape.kind in decoding and b.shape.kind in decoding]
     step_time = statistics.mean(decode) if decode else float("nan")
     floor = weight_matmul_floor(engine, n)
     floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None

@@ -43,6 +43,10 @@ ENGINE_FLAG_HELP = {
     "compilation_cache_dir": "JAX's persistent compilation cache; \"\" disables it (default: $JAXSERVE_CACHE_DIR, "
                              "else ~/.cache/jaxserve/xla)",
     "xla_optimization_level": "XLA backend optimisation level (default: XLA's; tests use 0 to compile fast)",
+    "decode_burst": "decode steps run back to back in one executable call (a decode burst) while every running "
+                    "sequence decodes, nothing waits, none has a grammar and at most --decode-burst-max-batch run: "
+                    "the host's work is paid once per call; tokens then stream that many at a time (1: off; "
+                    "default: 8 with the CPU kernels, else 1; off with speculative decoding and across hosts)",
     "seed": "seed of the per-request seeds given to requests that bring none",
     "tensor_parallel_size": "devices to shard the model over (tensor parallelism)",
     "data_parallel_size": "model replicas (data parallelism)",

@@ -405,6 +405,8 @@ class EngineConfig:
     matmul: str = "auto"  # auto | pallas | cpu | xla (see jaxserve.models.kernels)
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # schedule and dispatch step N+1 before reading step N's tokens
+    decode_burst: int | None = None  # decode steps per executable call when only decodes run (1: off)
+    decode_burst_max_batch: int = 4  # no decode bursts with more running sequences
     decode_buckets: tuple[int, ...] | None = None
     prefill_token_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] | None = None
@@ -440,6 +442,19 @@ class EngineConfig:
         spec.check()
         return spec
 
+    def resolved_decode_burst(self, cpu: bool) -> int:
+        """Tokens per row and call of a decode burst (1: none). `cpu`: the engine runs the CPU kernels, where the
+        host's work per step shares the cores with the step itself. No bursts with speculative decoding (its
+        verify steps already sample several tokens a call) or across hosts (the followers replay plain steps)."""
+        burst = self.decode_burst if self.decode_burst is not None else (DEFAULT_CPU_DECODE_BURST if cpu else 1)
+        if burst < 1:
+            raise ConfigError(f"decode_burst must be at least 1 (1: off), got {burst}.")
+        if self.decode_burst_max_batch < 1:
+            raise ConfigError(f"decode_burst_max_batch must be at least 1, got {self.decode_burst_max_batch}.")
+        if self.speculative_method is not None or (self.num_processes or 1) > 1:
+            return 1
+        return burst
+
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is not None:
             if self.max_model_len > model.max_position_embeddings:
@@ -453,6 +468,7 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+DEFAULT_CPU_DECODE_BURST = 8  # see bench/RESULTS.md, "Decode bursts"
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 8
 

@@ -30,6 +30,9 @@ class FakeDevice:
         results = []
         for row in plan.seqs:
             buffer = self.buffers[row.slot]
+            if row.burst > 1:
+                results.append(self._burst(row, buffer))
+                continue
             known = row.context_len - row.num_draft_tokens  # a verify row's proposals come after its tokens
             assert len(buffer) >= known, "a token the step needs was never sampled"
             if row.draft_token_ids:
@@ -46,6 +49,18 @@ class FakeDevice:
             else:
                 results.append(None)
         return results
+
+    def _burst(self, row, buffer: list[int]) -> tuple[SampledToken, ...]:
+        """A decode burst: row.burst decode steps, each one's input the token the one before sampled."""
+        first = row.context_len - row.burst + 1  # the context of its first step
+        assert len(buffer) >= first and row.sample and row.num_new_tokens == row.burst
+        del buffer[first:]
+        for pos in range(first - 1, row.context_len):
+            self.kv[row.pages[pos // self.page_size]][pos % self.page_size] = buffer[pos]
+            buffer.append(next_token(buffer))
+        cached = [self.kv[row.pages[p // self.page_size]][p % self.page_size] for p in range(row.context_len)]
+        assert cached == buffer[:row.context_len], "the cache pages do not hold the sequence's tokens"
+        return tuple(SampledToken(t) for t in buffer[first:])
 
     @staticmethod
     def _accept(buffer: list[int], known: int, drafts: tuple[int, ...]) -> list[int]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ConfigError, EngineConfig, ModelConfig
-from jaxserve.engine.buckets import engine_buckets
+from jaxserve.engine.buckets import StepShape, engine_buckets
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.models.llama import random_model
@@ -65,6 +65,24 @@ def test_default_ladders_cover_every_configuration():
         config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, page_size=page, max_model_len=max_len)
         for attention in ("xla", "pallas"):
             engine_buckets(config, max_len, attention)
+
+
+def test_decode_bursts_run_in_the_small_decode_shapes_only_where_they_may():
+    """With the CPU kernels the default bursts 8 steps in the decode shapes a batch of up to
+    decode_burst_max_batch (4) sequences lands in: no extra shape. Off elsewhere by default, with speculative
+    decoding and across hosts; a burst length below 1 is refused."""
+    cpu = engine_buckets(BASE, 96, "cpu")
+    assert cpu.burst_tokens == 8 and cpu.burst_batch == 4
+    assert [b for b in cpu.decode_sizes if cpu.bursts(StepShape("decode", b, b, cpu.page_sizes[0]))] == [1, 2, 4]
+    assert engine_buckets(BASE.replace(decode_burst=1), 96, "cpu").shapes() == cpu.shapes()
+    assert not any(cpu.bursts(shape) for shape in cpu.shapes() if shape.kind != "decode")
+    odd = engine_buckets(BASE.replace(decode_buckets=(1, 3, 8), decode_burst_max_batch=2), 96, "cpu")
+    assert [b for b in odd.decode_sizes if odd.bursts(StepShape("decode", b, b, 12))] == [1, 3]
+    for config, attention in [(BASE, "xla"), (BASE, "pallas"), (BASE.replace(speculative_method="ngram"), "cpu"),
+                              (BASE.replace(decode_burst=4, num_processes=2), "cpu")]:
+        assert engine_buckets(config, 96, attention).burst_tokens == 1
+    assert engine_buckets(BASE.replace(decode_burst=3), 96, "pallas").burst_tokens == 3
+    assert "decode_burst must be at least 1" in error_of(BASE.replace(decode_burst=0), "cpu")
 
 
 def random_ladder(rng: random.Random, limit: int) -> tuple[int, ...]:

@@ -253,3 +253,40 @@ def test_penalties_bias_and_min_tokens(engine, reference):
         engine.core.scheduler.eos_token_ids = frozenset()
     assert stopped["e"].outputs[0].token_ids == [plain[0]] and stopped["e"].outputs[0].finish_reason == "stop"
     assert len(held["m"].outputs[0].token_ids) >= 3
+
+
+def test_decode_bursts_give_the_tokens_single_decode_steps_give(model, engine):
+    """The CPU default runs small decode batches as bursts (several decode steps in one executable call): greedy,
+    seeded sampling, penalties, min_tokens, logprobs, stop tokens and n > 1 come out token for token as with
+    --decode-burst 1, and the bursting engine did run bursts, with fewer calls."""
+    assert engine.core.buckets.burst_tokens > 1 and engine.core.scheduler.config.decode_burst > 1
+    plain = LLMEngine(model, ENGINE.replace(decode_burst=1), show_progress=False)
+    assert plain.core.buckets.burst_tokens == 1
+    prompt = list(range(7, 30))
+    stop = run_staggered(plain, [("s", prompt[:14], greedy(20))])["s"].outputs[0].token_ids[9]  # request 4's
+    params = [greedy(45), SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=17, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, stop_token_ids=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop]),
+              SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=13, ignore_eos=True)]
+    got = {}
+    for name, e in (("plain", plain), ("burst", engine)):
+        first = e.core.stats.num_steps
+        finals = run_staggered(e, [(f"{name}{i}", prompt[:10 + i], p) for i, p in enumerate(params)], per_step=1)
+        steps = list(e.core.stats.steps)[-(e.core.stats.num_steps - first):]
+        got[name] = ([[(c.token_ids, c.finish_reason, [(lp.logprob, lp.top) for lp in c.logprobs or ()])
+                       for c in finals[f"{name}{i}"].outputs] for i in range(len(params))],
+                     len(steps), max(s.burst for s in steps))
+        e.core.scheduler.check_invariants()
+        assert e.core.scheduler.allocator.num_used_pages == 0
+    (plain_out, plain_steps, plain_most), (burst_out, burst_steps, burst_most) = got["plain"], got["burst"]
+    for i, (a, b) in enumerate(zip(plain_out, burst_out, strict=True)):
+        assert len(a) == len(b)
+        for (ta, fa, la), (tb, fb, lb) in zip(a, b, strict=True):
+            assert ta == tb and fa == fb, (i, ta, tb)
+            np.testing.assert_allclose([x for x, _ in la], [x for x, _ in lb], rtol=1e-5, atol=1e-5)
+            assert [[t for t, _ in top] for _, top in la] == [[t for t, _ in top] for _, top in lb]
+    assert plain_out[4][0][1] == "stop" and plain_out[4][0][0][-1] == stop
+    assert plain_most == 1 and burst_most == engine.core.buckets.burst_tokens
+    assert burst_steps < plain_steps

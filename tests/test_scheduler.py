@@ -1,6 +1,7 @@
 """Scheduler: exact pages and order, chunked prefill, preemption, prefix sharing, n > 1, aborts, one step ahead."""
 
 import ast
+import dataclasses
 import pathlib
 import random
 
@@ -308,3 +309,99 @@ def test_constrained_sequences_run_one_step_ahead_only_in_pure_decode_steps(late
     assert w.output_token_ids == reference_continuation([6, 7, 8], 2)
     assert sched.allocator.num_used_pages == 0
     sched.check_invariants()
+
+
+def make_bursting(burst=4, max_batch=2, **kw):
+    sched, dev = make(**kw)
+    sched.config = dataclasses.replace(sched.config, decode_burst=burst, decode_burst_max_batch=max_batch)
+    return sched, dev
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_decode_bursts_give_every_token_a_decode_step_would(lag):
+    """Once nothing waits and no prompt runs, at most decode_burst_max_batch decoding sequences run decode_burst
+    steps a call (fewer where max_tokens ends sooner): each burst row's context ends burst - 1 tokens past a
+    decode step's, its pages cover it, its tokens are pending until read, and every token is the one the sequence
+    would get alone; n > 1 samples burst too."""
+    sched, dev = make_bursting(burst=4, max_batch=3)
+    a, = sched.add_request("a", [1, 2, 3], greedy(11))
+    b1, b2 = sched.add_request("b", [4, 5, 6, 7, 8], SamplingParams(n=2, temperature=0.0, max_tokens=6))
+    seen, schedule = [], sched.schedule
+
+    def checked_schedule():  # as each plan is made
+        plan = schedule()
+        if plan.is_burst:
+            assert plan.is_decode and not plan.new_slots and len(plan.seqs) <= 3
+            for row in plan.seqs:
+                seq = sched.sequences[row.seq_id]
+                assert row.num_new_tokens == row.burst and len(row.pages) * 4 >= row.context_len
+                assert seq.num_computed_tokens == row.context_len and seq.num_pending_tokens >= row.burst
+                assert row.burst == 4 or seq.num_tokens == seq.max_len
+            seen.append(sorted(row.burst for row in plan.seqs))
+        return plan
+
+    sched.schedule = checked_schedule
+    run_to_completion(sched, dev, lag=lag)
+    assert seen and max(max(b) for b in seen) == 4 and min(min(b) for b in seen) < 4
+    assert a.output_token_ids == reference_continuation([1, 2, 3], 11)
+    assert b1.output_token_ids == b2.output_token_ids == reference_continuation([4, 5, 6, 7, 8], 6)
+    assert sched.allocator.num_used_pages == 0
+
+
+def test_a_burst_is_cut_at_the_token_that_stops_its_sequence():
+    """A stop token inside a burst ends the sequence there: the tokens after it are dropped, its pages freed."""
+    sched, dev = make_bursting(burst=4, max_batch=2)
+    expected = reference_continuation([3, 1, 4], 12)
+    stop = expected[5]
+    seq, = sched.add_request("a", [3, 1, 4], greedy(12, stop_token_ids=[stop]))
+    bursts = []
+    run_to_completion(sched, dev, lag=1, on_step=lambda plan: bursts.append(plan.is_burst))
+    assert any(bursts)
+    assert seq.output_token_ids == expected[:expected.index(stop) + 1]
+    assert seq.finish_reason == "stop" and seq.stop_reason == stop
+    assert sched.allocator.num_used_pages == 0
+
+
+def test_no_burst_while_requests_wait_prompts_run_grammars_decode_or_the_batch_is_large():
+    sched, dev = make_bursting(burst=4, max_batch=2, budget=8)
+    sched.add_request("a", [1, 2], greedy(30))
+    plan = sched.schedule()  # a's prompt
+    sched.update(plan, dev.execute(plan))
+    assert sched.schedule().is_burst  # alone and decoding
+    sched, dev = make_bursting(burst=4, max_batch=2, budget=8)
+    sched.add_request("a", [1, 2], greedy(30))
+    sched.update(plan := sched.schedule(), dev.execute(plan))
+    sched.add_request("long", list(range(3, 23)), greedy(30))  # 20 prompt tokens: three chunks
+    for _ in range(3):
+        plan = sched.schedule()
+        assert not plan.is_burst and any(r.num_new_tokens > 1 for r in plan.seqs)
+        sched.update(plan, dev.execute(plan))
+    sched.add_request("c", [7, 8], greedy(30))  # three running: above max_batch
+    for _ in range(3):
+        plan = sched.schedule()
+        assert not plan.is_burst
+        sched.update(plan, dev.execute(plan))
+    constrained = SamplingParams(temperature=0.0, max_tokens=8,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    sched, dev = make_bursting(burst=4, max_batch=2)
+    sched.add_request("g", [1, 2, 3], constrained)
+    sched.update(plan := sched.schedule(), dev.execute(plan))
+    assert not sched.schedule().is_burst
+
+
+def test_bursts_under_preemption_and_aborts_keep_invariants_and_tokens():
+    rng = random.Random(5)
+    sched, dev = make_bursting(burst=3, max_batch=4, num_pages=14, page_size=4, budget=24, max_model_len=64,
+                               prefix_caching=False)
+    expected = {}
+    for i in range(6):
+        prompt = [rng.randint(1, 9) for _ in range(rng.randint(1, 12))]
+        expected[f"r{i}"] = (prompt, sched.add_request(f"r{i}", prompt, greedy(rng.randint(1, 25))))
+    sched.abort_request("r2")
+    expected.pop("r2")
+    bursts = []
+    run_to_completion(sched, dev, lag=1, on_step=lambda plan: bursts.append(plan.is_burst))
+    assert any(bursts) and sched.num_preemptions > 0
+    for prompt, seqs in expected.values():
+        assert seqs[0].output_token_ids == reference_continuation(prompt, seqs[0].params.max_tokens)
+    assert sched.allocator.num_used_pages == 0

@@ -6,6 +6,11 @@
                        prefill's (T, S) pairs, plus ((K + 1) B, B) for the decode sizes B a speculating batch
                        can have, so a pure verify step pads no more than a decode step does
 
+With decode bursts (--decode-burst D > 1), the decode shapes up to --decode-burst-max-batch sequences (and the
+smallest one above it, so that such a batch has one) are compiled as bursts: each row runs up to D decode steps
+one after another inside the one executable call, a run-time count per row (jaxserve.engine.runner.burst_step),
+so bursts add no shape and no executable.
+
 P (pages per block-table row) bounds how much context the XLA attention path gathers; the Pallas kernels read only
 the pages a sequence has, so with them the P ladder collapses to one rung.
 """
@@ -68,16 +73,18 @@ class BucketTable:
     page_sizes: tuple[int, ...]  # P ladder
     num_speculative_tokens: int = 0  # K > 0: the verify family (verify_sizes x P) with K proposals per row
     verify_sizes: tuple[tuple[int, int], ...] = ()  # (T, S) pairs of the verify family, sorted
+    burst_tokens: int = 1  # D > 1: decode bursts, up to D steps per row and call (see the module docstring)
+    burst_batch: int = 0  # the most sequences a decode burst has (0: no bursts)
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages: int, *,
               decode_sizes=None, token_sizes=None, seq_sizes=None, context_pages=None,
               num_speculative_tokens: int = 0, speculative_batch_size: int | None = None,
-              fine_tokens: bool = False) -> "BucketTable":
+              fine_tokens: bool = False, burst_tokens: int = 1, burst_batch: int = 0) -> "BucketTable":
         """Default ladders: B in powers of two; T in powers of four from 16 up to the token budget (`fine_tokens`:
         powers of two from 64 on, see engine_buckets), each with S = min(T, max_num_seqs) (a step never has more
         sequences than tokens); P in powers of four from 16 pages. An explicit S ladder pairs every S with every
-        T >= S."""
+        T >= S. `burst_tokens` D > 1: decode bursts of up to `burst_batch` sequences (see the module docstring)."""
         decode = decode_sizes or _powers_of_two(1, max_num_seqs)
         tokens = sorted(set(token_sizes or _token_ladder(max_num_batched_tokens, fine_tokens)))
         if seq_sizes:
@@ -90,9 +97,10 @@ class BucketTable:
             short = [b for b in decode if speculative_batch_size is None or b <= speculative_batch_size]
             verify = pairs + [((num_speculative_tokens + 1) * b, b) for b in short
                               if (num_speculative_tokens + 1) * b < max(t for t, _ in pairs)]
+        bursts = burst_tokens > 1 and burst_batch > 0
         return cls(tuple(sorted(set(decode))), tuple(sorted(set(pairs))),
                    tuple(sorted(set(min(p, max_pages) for p in pages))), num_speculative_tokens,
-                   tuple(sorted(set(verify))))
+                   tuple(sorted(set(verify))), burst_tokens if bursts else 1, burst_batch if bursts else 0)
 
     def shapes(self) -> list[StepShape]:
         out = [StepShape("decode", b, b, p) for b in self.decode_sizes for p in self.page_sizes]
@@ -142,6 +150,11 @@ class BucketTable:
         b = _fit(self.decode_sizes, num_seqs, "decode batch size")
         return StepShape("decode", b, b, _fit(self.page_sizes, max_pages, "pages per sequence"))
 
+    def bursts(self, shape: StepShape) -> bool:
+        """The shape's executable runs decode bursts (a step count per row)."""
+        return (shape.kind == "decode" and self.burst_tokens > 1
+                and shape.seqs <= _fit(self.decode_sizes, min(self.burst_batch, self.decode_sizes[-1]), "batch"))
+
     def prefill_shape(self, num_tokens: int, num_seqs: int, max_pages: int) -> StepShape:
         return _ragged_shape("prefill", self.prefill_sizes, num_tokens, num_seqs,
                              _fit(self.page_sizes, max_pages, "pages per sequence"))
@@ -176,7 +189,9 @@ def engine_buckets(config: EngineConfig, max_model_len: int, attention_name: str
                               seq_sizes=config.prefill_seq_buckets, context_pages=context,
                               num_speculative_tokens=config.num_speculative_tokens if config.speculative_method else 0,
                               speculative_batch_size=config.speculative_disable_batch_size,
-                              fine_tokens=attention_name == "cpu")
+                              fine_tokens=attention_name == "cpu",
+                              burst_tokens=config.resolved_decode_burst(cpu=attention_name == "cpu"),
+                              burst_batch=config.decode_burst_max_batch)
     table.check_covers(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.page_size)
     return table
 

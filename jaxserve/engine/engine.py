@@ -127,7 +127,9 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.page_size,
                                                    spec.num_tokens if spec else 0,
-                                                   spec.disable_batch_size if spec else None),
+                                                   spec.disable_batch_size if spec else None,
+                                                   decode_burst=self.buckets.burst_tokens,
+                                                   decode_burst_max_batch=self.buckets.burst_batch),
                                    allocator, eos, seed=config.seed, proposer=make_proposer(spec, draft),
                                    adapter_slots=self._adapter_slots)
         for item in config.lora_modules if not config.merge_lora else ():
@@ -297,7 +299,10 @@ class EngineCore:
             self.runner.mirror = None
 
     def _buckets(self) -> BucketTable:
-        return engine_buckets(self.config, self.max_model_len, self.kernels.attention_name)
+        config = self.config
+        if jax.process_count() > 1:  # the followers replay plain steps (jaxserve.engine.multihost)
+            config = config.replace(decode_burst=1)
+        return engine_buckets(config, self.max_model_len, self.kernels.attention_name)
 
     # ---- LoRA adapters --------------------------------------------------------------------------------------
     def add_lora(self, name: str, path: str) -> LoraInfo:

@@ -9,6 +9,10 @@ are a handful of small int32 arrays per step (block tables, context lengths, que
 mask, flags); tokens are read on device from the slot token buffer, and only the sampled ids (and, when asked,
 logprobs) come back.
 
+With decode bursts (BucketTable.burst_tokens D > 1) the small decode shapes run `burst_step` instead: up to D
+decode steps in a loop on device, each step's input the token the one before sampled, as many as each row's count
+says (a plain decode step: one each); they return the tokens as a verify step does.
+
 With a draft model (speculative decoding, jaxserve.spec.draft), every executable also runs the draft's forward pass
 over the step's tokens into the draft's own cache (donated too), and verify shapes make the draft's proposals first,
 in a loop on device.
@@ -313,6 +317,41 @@ def draft_proposals(graphdef, params, kv: KVCache, slots: SlotState, inputs: Ste
     return kv, proposed, probs
 
 
+def burst_step(graphdef, params, kv: KVCache, slots: SlotState, inputs: StepInputs, counts: jax.Array, *,
+               shape: StepShape, steps: int, page_size: int, kernels: Kernels, sharder: Sharder | None = None
+               ) -> tuple:
+    """A decode shape's step with decode bursts (kv and slots donated): row s runs counts[s] (0..D = `steps`)
+    decode steps one after another, in a loop on device of max(counts) iterations (a while loop: its body
+    compiles once, whatever D). inputs.context_lens is each row's context in its first step; step j runs the
+    token at context_lens + j - 1 (sampled by step j - 1, read from the token buffer as a decode step reads its
+    input) and samples the one at context_lens + j, exactly as j separate decode steps would, sampling keys and
+    penalties included. A row past its count is a padding row (context 0: it writes only the null page, its
+    token goes nowhere).
+
+    Returns (kv, slots, VerifyOutput [S, D] with num_accepted = counts - 1, None): the engine reads a burst's
+    tokens as a verify step's."""
+    num_seqs = shape.seqs
+    chosen = jnp.zeros((num_seqs, steps), jnp.float32)
+    top = jnp.zeros((num_seqs, steps, MAX_TOP_LOGPROBS), jnp.int32)
+    init = (kv, slots, jnp.zeros((num_seqs, steps), jnp.int32), chosen, top, top.astype(jnp.float32))
+
+    def one(j, carry):
+        kv, slots, tokens, chosen, top_ids, top_lp = carry
+        active = j < counts
+        step_inputs = dataclasses.replace(inputs, context_lens=jnp.where(active, inputs.context_lens + j, 0),
+                                          sample_mask=inputs.sample_mask & active)
+        kv, out = model_step(graphdef, params, kv, slots.tokens, step_inputs, shape=shape, page_size=page_size,
+                             kernels=kernels)
+        slots, sampled = sample_step(gather_logits(out.logits, sharder), slots, step_inputs.row_slots,
+                                     step_inputs.context_lens, step_inputs.sample_mask, step_inputs.flags,
+                                     step_inputs.disallowed)
+        return (kv, slots, tokens.at[:, j].set(sampled.tokens), chosen.at[:, j].set(sampled.logprobs),
+                top_ids.at[:, j].set(sampled.top_ids), top_lp.at[:, j].set(sampled.top_logprobs))
+
+    kv, slots, tokens, chosen, top_ids, top_lp = jax.lax.fori_loop(0, jnp.max(counts), one, init)
+    return kv, slots, VerifyOutput(tokens, counts - 1, chosen, top_ids, top_lp), None
+
+
 @dataclasses.dataclass
 class PendingForward:
     """The forward half of a split decode step, dispatched; its sampling half waits for the step's bitmask."""
@@ -437,12 +476,17 @@ class ModelRunner:
 
     def _lower_step(self, shape: StepShape):
         verifying = shape.kind == "verify"
-        fn = functools.partial(verify_step if verifying else step, self.graphdef, shape=shape,
-                               page_size=self.page_size, kernels=self.kernels, sharder=self.sharder,
-                               draft_graphdef=self.draft_graphdef)
         kv_shardings = jax.tree.map(lambda x: x.sharding, self.kv)
         r = self.replicated
         args = (self.params, self.kv, self.slots, self.abstract_inputs(shape))
+        if self.buckets.bursts(shape):  # no draft model: bursts are off with speculative decoding
+            fn = functools.partial(burst_step, self.graphdef, shape=shape, steps=self.buckets.burst_tokens,
+                                   page_size=self.page_size, kernels=self.kernels, sharder=self.sharder)
+            counts = jax.ShapeDtypeStruct((shape.seqs,), jnp.int32, sharding=r)
+            return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(kv_shardings, r, r, r)).lower(*args, counts)
+        fn = functools.partial(verify_step if verifying else step, self.graphdef, shape=shape,
+                               page_size=self.page_size, kernels=self.kernels, sharder=self.sharder,
+                               draft_graphdef=self.draft_graphdef)
         if verifying:
             args += (self.abstract_drafts(shape),)
         donate, out_shardings = (1, 2), (kv_shardings, r, r, r)
@@ -547,9 +591,15 @@ class ModelRunner:
         """Starts the step on the device and returns at once (JAX dispatch is asynchronous). `disallowed`: the
         structured-output bitmask of the plan's rows ([rows, mask_words] int32), or None."""
         shape = self.shape_for(plan, flags.prompt_logprobs)
-        drafts = build_drafts(plan, shape, self.buckets.num_speculative_tokens) if shape.kind == "verify" else None
+        extra = None
+        if shape.kind == "verify":
+            extra = build_drafts(plan, shape, self.buckets.num_speculative_tokens)
+        elif self.buckets.bursts(shape):
+            extra = build_counts(plan, shape)
+        elif plan.is_burst:
+            raise BucketError(f"a decode burst of {len(plan.seqs)} sequences, but {shape} runs no bursts")
         sampled, prompt_lp = self.run(shape, build_inputs(plan, shape, flags, disallowed), flags.prompt_logprobs,
-                                      drafts)
+                                      extra)
         return PendingStep(plan, shape, sampled, prompt_lp, flags, time.perf_counter())
 
     def dispatch_forward(self, plan: StepPlan, flags: SamplingFlags) -> PendingForward:
@@ -575,11 +625,11 @@ class ModelRunner:
         self.slots, sampled = self.samplers[forward.shape.seqs](self.slots, forward.logits, inputs)
         return PendingStep(forward.plan, forward.shape, sampled, None, forward.flags, forward.dispatched_at)
 
-    def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool, drafts: DraftInputs | None = None
-            ) -> tuple[SampleOutput | VerifyOutput, PromptLogprobs | None]:
+    def run(self, shape: StepShape, inputs: StepInputs, prompt_logprobs: bool,
+            extra: DraftInputs | np.ndarray | None = None) -> tuple[SampleOutput | VerifyOutput, PromptLogprobs | None]:
         """The step's executable on padded inputs (a multi-host follower calls this with the leader's). Prompt
         logprobs are computed when inputs.flags asks for them; `prompt_logprobs` says whether to hand them back.
-        Verify shapes take the step's proposals too."""
+        Verify shapes take the step's proposals too, burst shapes each row's step count ([S] int32)."""
         executable = self.executables.get(shape)
         if executable is None:
             raise BucketError(f"{shape} is not in the compiled table")
@@ -587,7 +637,7 @@ class ModelRunner:
             self.mirror.step(shape, inputs, prompt_logprobs)
         if inputs.disallowed is None:
             inputs = dataclasses.replace(inputs, disallowed=self._no_constraint_mask(shape.seqs))
-        extra = () if drafts is None else (drafts,)
+        extra = () if extra is None else (extra,)
         if self.draft_graphdef is not None:
             extra += (self.draft_params, self.draft_kv)
         self.kv, self.slots, sampled, prompt_lp, *draft_kv = executable(self.params, self.kv, self.slots, inputs,
@@ -619,10 +669,10 @@ def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags,
     row_slots = np.zeros(s, np.int32)
     sample_mask = np.zeros(s, bool)
     lora_slots = np.zeros(s, np.int32)
-    for i, row in enumerate(plan.seqs):
+    for i, row in enumerate(plan.seqs):  # a burst row: its first step's (one token, context_len - burst + 1)
         block_tables[i, :len(row.pages)] = row.pages
-        context_lens[i] = row.context_len
-        query_start[i + 1] = row.num_new_tokens
+        context_lens[i] = row.context_len - row.burst + 1
+        query_start[i + 1] = row.num_new_tokens - row.burst + 1
         row_slots[i] = row.slot
         sample_mask[i] = row.sample
         lora_slots[i] = row.lora_slot
@@ -632,6 +682,13 @@ def build_inputs(plan: StepPlan, shape: StepShape, flags: SamplingFlags,
         flags |= SamplingFlags.STRUCTURED
     return StepInputs(block_tables, context_lens, query_start, row_slots, sample_mask, flags.as_array(), lora_slots,
                       disallowed)
+
+
+def build_counts(plan: StepPlan, shape: StepShape) -> np.ndarray:
+    """The steps per row of a plan in a shape that bursts, padded to [S] (padding rows: 0 steps)."""
+    counts = np.zeros(shape.seqs, np.int32)
+    counts[:len(plan.seqs)] = [row.burst for row in plan.seqs]
+    return counts
 
 
 def build_drafts(plan: StepPlan, shape: StepShape, k: int) -> DraftInputs:

@@ -8,7 +8,8 @@ starts on the device when it was dispatched or when the one before it ended, whi
 
     start          = max(dispatch_started, device_free_at)         device_free_at: the previous step's end
     device_seconds = ready_at - start                              measured when the end and the start are exact;
-                     else min(that upper bound, the last measured device time of the same step shape)
+                     else min(that upper bound, the last measured device time of the same step shape
+                              and burst length)
     host_gap       = dispatch_started - max(device_free_at, work_arrived_at)     (>= 0: the device sat idle)
 
 `dispatch_started` is taken just before the dispatch call, because a backend may run a step inside it (XLA:CPU
@@ -38,12 +39,14 @@ class StepRecord:
     done_at: float  # perf_counter when its results were on the host
     waited: float  # seconds the host blocked on the device for it
     sampled_tokens: int = 0  # tokens it generated (rows whose chunk reached the end of their sequence)
-    context_tokens: int = 0  # sum of the sequences' context lengths: the KV tokens its attention reads
+    context_tokens: int = 0  # sum of the sequences' context lengths: the KV tokens its attention reads (a
+    # decode burst: summed over its steps)
     attended_pairs: int = 0  # (query token, key token) pairs its attention scores
     dispatch_started: float = 0.0  # perf_counter just before the dispatch call (the device cannot start earlier)
     ready_at: float = 0.0  # the earliest time the host knew the device had finished it (see the module docstring)
     end_exact: bool = False  # ready_at is when the device finished (the host was blocked on it), not a bound
     page_stall: bool = False  # when it was planned, requests waited for KV pages (or one was preempted for them)
+    burst: int = 1  # decode steps per row in the call (a decode burst: its most)
     device_seconds: float = 0.0  # set by EngineStats.record
     host_gap: float = 0.0  # device idle just before it, waiting for the host; set by EngineStats.record
 
@@ -77,11 +80,12 @@ class StepClock:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepTotals:
     """Running sums since start-up (counters never go back, unlike the window of records). A value: each step
-    makes a new one, so a snapshot handed to another thread never changes."""
+    makes a new one, so a snapshot handed to another thread never changes. A decode burst of D steps counts as D
+    steps (forward passes) of its rows."""
 
     steps: int = 0
     tokens: int = 0
-    seqs: int = 0
+    seqs: int = 0  # rows, summed over steps
     sampled_tokens: int = 0
     context_tokens: int = 0
     attended_pairs: int = 0
@@ -89,7 +93,8 @@ class StepTotals:
     host_gap_seconds: float = 0.0
 
     def plus(self, record: StepRecord) -> "StepTotals":
-        return StepTotals(self.steps + 1, self.tokens + record.num_tokens, self.seqs + record.num_seqs,
+        return StepTotals(self.steps + record.burst, self.tokens + record.num_tokens,
+                          self.seqs + record.num_seqs * record.burst,
                           self.sampled_tokens + record.sampled_tokens, self.context_tokens + record.context_tokens,
                           self.attended_pairs + record.attended_pairs, self.device_seconds + record.device_seconds,
                           self.host_gap_seconds + record.host_gap)
@@ -113,7 +118,7 @@ class EngineStats:
     work_arrived_at: float = 0.0  # perf_counter when the engine last went from no work to some
     device_free_at: float = 0.0  # (estimated) end of the last recorded step on the device
     device_free_exact: bool = True
-    measured: dict = dataclasses.field(default_factory=dict)  # StepShape -> last measured device seconds
+    measured: dict = dataclasses.field(default_factory=dict)  # (StepShape, burst) -> last measured seconds
     idle_dispatches: int = 0
 
     def record(self, record: StepRecord) -> StepRecord:
@@ -122,10 +127,11 @@ class EngineStats:
         start = max(dispatched, self.device_free_at)
         start_exact = self.device_free_exact or dispatched >= self.device_free_at
         device = max(0.0, record.ready_at - start)
+        key = (record.shape, record.burst)
         if record.end_exact and start_exact:
-            self.measured[record.shape] = device
+            self.measured[key] = device
         else:
-            device = min(device, self.measured.get(record.shape, device))
+            device = min(device, self.measured.get(key, device))
         record = dataclasses.replace(
             record, device_seconds=device,
             host_gap=max(0.0, dispatched - max(self.device_free_at, self.work_arrived_at)))
@@ -140,10 +146,16 @@ class EngineStats:
     def work_arrived(self, now: float) -> None:
         self.work_arrived_at = now
 
-    def sample_due(self, shape: StepShape) -> bool:
-        """For a step just dispatched to an idle device: wait for it now, as a sample of its shape's device time?"""
+    def sample_due(self, shape: StepShape, burst: int = 1) -> bool:
+        """For a step just dispatched to an idle device: wait for it now, as a sample of its shape's device time
+        (at that burst length)?"""
         self.idle_dispatches += 1
-        return shape not in self.measured or self.idle_dispatches % SAMPLE_INTERVAL == 0
+        return (shape, burst) not in self.measured or self.idle_dispatches % SAMPLE_INTERVAL == 0
+
+
+def burst_length(plan) -> int:
+    """Decode steps per row in a plan's call: 1, or a decode burst's most."""
+    return max((row.burst for row in plan.seqs), default=1)
 
 
 def attention_work(context_len: int, num_new_tokens: int, sliding_window: int | None = None) -> int:
@@ -185,7 +197,7 @@ class StepMeter:
         """With the one-step-ahead overlap, a step dispatched to an idle device is sometimes waited for at once:
         an exact sample of its shape's device time (see the module docstring)."""
         self.stats.host_seconds += time.perf_counter() - self._started
-        if overlapped and self._device_idle and self.stats.sample_due(pending.shape):
+        if overlapped and self._device_idle and self.stats.sample_due(pending.shape, burst_length(pending.plan)):
             pending.sampled.tokens.block_until_ready()
             self._clocks[pending.plan.step_id].end = time.perf_counter()
 
@@ -205,7 +217,8 @@ class StepMeter:
         sampled = context = pairs = 0
         for row in rows:
             sampled += row.sample
-            context += row.context_len
+            first = row.context_len - row.burst + 1  # a decode burst's steps each read their context
+            context += row.burst * first + row.burst * (row.burst - 1) // 2
             if row.num_new_tokens == 1:  # a decode token reads its whole context (or window)
                 pairs += row.context_len if window is None else min(row.context_len, window)
             else:
@@ -214,7 +227,7 @@ class StepMeter:
             pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at, time.perf_counter(), clock.waited,
             sampled_tokens=sampled if generated is None else generated, context_tokens=context, attended_pairs=pairs,
             dispatch_started=clock.dispatch_started, ready_at=clock.ready_at, end_exact=clock.end is not None,
-            page_stall=pending.plan.waiting_for_pages))
+            page_stall=pending.plan.waiting_for_pages, burst=burst_length(pending.plan)))
 
 
 class NullMeter:

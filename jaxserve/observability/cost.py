@@ -102,9 +102,11 @@ class ModelCost:
                     + self.flops_per_pair * attended_pairs)
 
     def of_records(self, records) -> Work:
-        """The work of some StepRecords (jaxserve.engine.stats)."""
-        return self.work(len(records), sum(r.num_tokens for r in records), sum(r.num_seqs for r in records),
-                         sum(r.context_tokens for r in records), sum(r.attended_pairs for r in records))
+        """The work of some StepRecords (jaxserve.engine.stats): a decode burst of D steps is D forward passes,
+        each reading the weights and running the LM head over every row."""
+        return self.work(sum(r.burst for r in records), sum(r.num_tokens for r in records),
+                         sum(r.num_seqs * r.burst for r in records), sum(r.context_tokens for r in records),
+                         sum(r.attended_pairs for r in records))
 
     def of_totals(self, totals) -> Work:
         """The work of an engine's running totals (jaxserve.engine.stats.StepTotals)."""

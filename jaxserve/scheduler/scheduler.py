@@ -34,6 +34,15 @@ proposes again, and the pages that step wrote are marked as missing the draft's 
 page from the prefix cache (or from its fork leader) is draft-stale too. A page freshly written with the draft's
 pass by a sequence that is not stale is whole again.
 
+Decode bursts (decode_burst D > 1): while every running sequence decodes, nothing waits, no sequence is
+constrained and at most decode_burst_max_batch run, each decoding sequence runs up to D steps one after another
+in one executable call, each step's input the token the previous one sampled (on the device):
+
+    before        num_tokens = N (pending ones included), num_computed = N - 1
+    step          c = min(D, max_len - N) steps: queries at positions N-1 .. N+c-2 (pages for N + c - 1 tokens)
+    in flight     num_computed = N + c - 1, c pending tokens: the next step may run one ahead, as after a decode
+    update        the c tokens, cut at the first that ends the sequence
+
 Structured output: a constrained sequence's next mask needs its newest token. With `late_masks` (the engine has
 split decode executables) it still runs one step ahead in a step with no prompt work, and the plan says
 `late_mask`: the engine sends the forward pass first and the masked sampling once the token is read. In any other
@@ -66,6 +75,8 @@ class SchedulerConfig:
     # a constrained sequence may decode while its last token is in flight, its mask sent after the forward pass
     # (the engine's split decode executables); only in steps with no prompt work, whose shape is a decode shape
     late_masks: bool = False
+    decode_burst: int = 1  # D: steps per decoding sequence in a decode burst (1: no bursts)
+    decode_burst_max_batch: int = 0  # no bursts with more running sequences
 
     @property
     def num_slots(self) -> int:
@@ -89,6 +100,7 @@ class ScheduledSequence:
     prompt_logprobs: bool  # score this chunk's prompt tokens
     draft_token_ids: tuple[int, ...] = ()  # proposals: the last num_draft_tokens query tokens (verify rows)
     lora_slot: int = 0  # device slot of the sequence's LoRA adapter (0 = none)
+    burst: int = 1  # tokens sampled one after another (a decode burst: then num_new_tokens == burst)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -122,7 +134,12 @@ class StepPlan:
 
     @property
     def is_decode(self) -> bool:
-        return all(s.num_new_tokens == 1 and s.sample for s in self.seqs)
+        return all(s.num_new_tokens == s.burst and s.sample for s in self.seqs)
+
+    @property
+    def is_burst(self) -> bool:
+        """A decode burst: each row decodes `burst` steps in a row, inside one executable call."""
+        return any(s.burst > 1 for s in self.seqs)
 
     @property
     def is_verify(self) -> bool:
@@ -355,6 +372,7 @@ class Scheduler:
         late_ok = (self.config.late_masks and not speculating and not chunks
                    and (self.num_waiting == 0 or len(self.running) >= self.config.max_num_seqs))
         preempted = late_mask = False
+        burst = self._burst_length(decodes, chunks, speculating)
         for seq in decodes + chunks:
             if seq.status is not SequenceStatus.RUNNING or not budget.has_room():
                 continue
@@ -368,6 +386,8 @@ class Scheduler:
             proposes = speculating and seq.num_uncomputed_tokens == 1 and not seq.draft_stale
             drafts = self._propose(seq, budget) if proposes else ()
             num_new = min(seq.num_uncomputed_tokens, budget.tokens) + len(drafts)
+            steps = min(burst, seq.max_len - seq.num_tokens, budget.tokens)
+            num_new = steps if steps > 1 else num_new
             while not self._grow_pages(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 victim = self._pick_victim(scheduled)
@@ -376,8 +396,23 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 late_mask |= bool(seq.num_pending_tokens and seq.params.structured_outputs is not None)
-                scheduled[seq.seq_id] = self._advance(seq, num_new, budget, drafts)
+                scheduled[seq.seq_id] = (self._advance_burst(seq, steps, budget) if steps > 1
+                                         else self._advance(seq, num_new, budget, drafts))
         return preempted, late_mask
+
+    def _burst_length(self, decodes: list[Sequence], chunks: list[Sequence], speculating: bool) -> int:
+        """Steps per decoding sequence in this plan: decode_burst when it may burst (see the module docstring:
+        no prompt work, nobody waiting, no grammar, a small batch), else 1."""
+        config = self.config
+        if (config.decode_burst <= 1 or speculating or chunks or self.num_waiting
+                or not 0 < len(self.running) <= config.decode_burst_max_batch):
+            return 1
+        for seq in decodes:
+            if seq.params.structured_outputs is not None:
+                return 1  # each of its tokens needs the host's grammar before the next mask
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                return 1  # its last prompt token is still to run (with its prompt logprobs, its forks)
+        return config.decode_burst
 
     def _propose(self, seq: Sequence, budget: "_Budget") -> tuple[int, ...]:
         """Proposals for a decoding sequence: at most K, at most what the budget leaves beside its own token, and
@@ -449,6 +484,15 @@ class Scheduler:
                                  seq.num_computed_tokens + len(drafts), sample, tuple(seq.pages), prompt_logprobs,
                                  drafts, seq.lora_slot)
 
+    def _advance_burst(self, seq: Sequence, steps: int, budget: "_Budget") -> ScheduledSequence:
+        """A decoding sequence's burst of `steps` decode steps: each step's input token is the one sampled before
+        it on the device, so every one of them counts as computed, and all the sampled tokens as pending."""
+        budget.spend(steps)
+        seq.num_computed_tokens += steps
+        seq.num_pending_tokens += steps
+        return ScheduledSequence(seq.seq_id, seq.request_id, seq.index, seq.params, seq.slot, steps,
+                                 seq.num_computed_tokens, True, tuple(seq.pages), False, (), seq.lora_slot, steps)
+
     def _release_forks(self, leader: Sequence) -> None:
         """Siblings of a request share the leader's full prompt pages and recompute only the remainder."""
         siblings = self._held_forks.pop(leader.seq_id, [])
@@ -515,7 +559,7 @@ class Scheduler:
     def update(self, plan: StepPlan, tokens: Seq[SampledToken | tuple[SampledToken, ...] | None]
                ) -> list[SequenceUpdate]:
         """Takes a step's results (one per plan row: a token, or for a verify row its accepted proposals and the
-        target's next token; None for rows that did not sample) and applies them."""
+        target's next token, or a burst row's tokens; None for rows that did not sample) and applies them."""
         updates = []
         for row, result in zip(plan.seqs, tokens):
             if not row.sample:
@@ -526,7 +570,7 @@ class Scheduler:
             seq = self.sequences.get(row.seq_id)
             if seq is None or seq.is_finished:
                 continue  # finished or aborted after this step was dispatched: the extra tokens are dropped
-            seq.num_pending_tokens -= 1
+            seq.num_pending_tokens -= row.burst
             added, reason = self._append(seq, results)
             if row.draft_token_ids:
                 self._settle_speculation(seq, len(added) - 1)
