@@ -7,11 +7,13 @@ and, measured in the same run, the bare weight matmuls of one decode step at tha
 read once, no attention, no sampling, no host work; on a CPU also with one array per layer, see
 weight_matmul_floor), the ratio between the two, and the share of wall time the device sat idle waiting for the host.
 `host_cpu_ms_per_step` is the CPU time of the thread running the engine loop (scheduling, dispatch, reading
-results, output processing) per step of the timed run, and `host_cpu_share` that over the wall time: where the
-host's cores are also the device's (a CPU backend), that time is taken from the step's own threads, so it adds
-to the step rather than hiding behind it once the cores are busy.
-`decode_weight_gb_s` is the weight bytes one decode step must read over the mean step time, and
-`decode_weight_bw_vs_copy` (CPU) that over the copy bandwidth measured in the same run (bench/cpu_matmul.py).
+results, output processing) per step of the timed run (`steps`; `calls`: executable calls, fewer with decode
+bursts), and `host_cpu_share` that over the wall time: where the host's cores are also the device's (a CPU
+backend), that time is taken from the step's own threads, so it adds to the step rather than hiding behind it
+once the cores are busy. A decode burst (several decode steps in one call, the CPU's default at small batches)
+counts as its steps, each its share of the call's time. `decode_weight_gb_s` is the weight bytes one decode step
+must read over the mean step time, and `decode_weight_bw_vs_copy` (CPU) that over the copy bandwidth measured in
+the same run (bench/cpu_matmul.py).
 
     python bench/offline_throughput.py --preset small --batch-sizes 1 16 64
     python bench/offline_throughput.py --model checkpoints/demo --batch-sizes 8
@@ -249,9 +251,9 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     host_cpu = time.thread_time()
     wall, steps = _timed_run(engine, prompts, params)
     host_cpu = time.thread_time() - host_cpu
-    decoding = ("decode", "burst")  # a burst: several decode steps in one call, its time shared by them
+    # a decode burst (several decode steps in one call): its time shared by its steps
     decode = [(b.done_at - a.done_at) / (b.sampled_tokens / b.num_seqs) for a, b in zip(steps, steps[1:])
-              if a.shape.kind in decoding and b.shape.kind in decoding]
+              if a.shape.kind == "decode" and b.shape.kind == "decode"]
     step_time = statistics.mean(decode) if decode else float("nan")
     floor = weight_matmul_floor(engine, n)
     floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None
@@ -261,7 +263,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 dtype=str(engine.core.runner.params["embed"][...].dtype),
                 N=n, input_len=args.input_len, output_len=args.output_len, total_s=round(wall, 3),
                 out_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + n * args.input_len) / wall, 1),
-                steps=len(steps), decode_steps=len(decode) + 1 if decode else 0,
+                steps=sum(s.burst for s in steps), calls=len(steps),
                 mean_decode_step_ms=round(step_time * 1e3, 3), matmul_floor_ms=round(floor * 1e3, 3),
                 decode_vs_floor=round(step_time / floor, 3),
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
@@ -270,7 +272,8 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 **_achieved_bandwidth(hardware, step_time),
                 device_s=round(device_seconds, 3),
                 host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
-                host_cpu_ms_per_step=round(host_cpu / len(steps) * 1e3, 3), host_cpu_share=round(host_cpu / wall, 3),
+                host_cpu_ms_per_step=round(host_cpu / sum(s.burst for s in steps) * 1e3, 3),
+                host_cpu_share=round(host_cpu / wall, 3),
                 attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 

@@ -228,7 +228,7 @@ def bench_e2e(args, schemes_to_run, copy_bw: float):
             engine.add_request(tag, prompt, params)
             engine.run_until_done()
         steps = list(engine.core.stats.steps)[-args.output_len:]
-        gaps = [b.done_at - a.done_at for a, b in zip(steps, steps[1:])
+        gaps = [(b.done_at - a.done_at) / b.burst for a, b in zip(steps, steps[1:])  # a burst: b.burst steps
                 if a.shape.kind == "decode" and b.shape.kind == "decode"]
         step = statistics.median(gaps)
         floor = engine.core.weight_bytes / copy_bw

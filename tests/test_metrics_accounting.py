@@ -118,9 +118,25 @@ def test_costs_are_linear_so_totals_price_like_records():
     stats = EngineStats()
     records = [record(i, i + 0.5, tokens=t, seqs=s, context_tokens=c, attended_pairs=p)
                for i, (t, s, c, p) in enumerate([(4, 4, 40, 40), (64, 2, 64, 1000), (1, 1, 9, 9)])]
+    records.append(record(3, 3.5, tokens=14, seqs=2, context_tokens=300, attended_pairs=300, burst=8,
+                          sampled_tokens=14))  # a decode burst: one row of 8 steps, one of 6
     for r in records:
         stats.record(r)
     assert cost.of_totals(stats.totals) == cost.of_records(records)
+    assert stats.totals.steps == 4 and stats.totals.passes == 3 + 8 and stats.totals.head_rows == 4 + 2 + 1 + 14
+
+
+def test_a_decode_burst_costs_its_steps():
+    """A burst of D decode steps in one call reads the weights D times and runs the LM head once a sampled token;
+    its device time is sampled apart from single steps of the same shape."""
+    cost = ModelCost.of(CFG, "float32", 1024)
+    burst = record(0, 1, tokens=8, seqs=1, context_tokens=100, attended_pairs=100, burst=8, sampled_tokens=8)
+    single = record(0, 1, tokens=1, seqs=1, context_tokens=12, attended_pairs=12, sampled_tokens=1)
+    assert cost.of_records([burst]).weight_bytes == 8 * cost.of_records([single]).weight_bytes
+    assert cost.of_records([burst]).flops - 8 * cost.of_records([single]).flops == cost.flops_per_pair * (100 - 96)
+    stats = EngineStats()
+    stats.record(burst)
+    assert stats.sample_due(DECODE, 1) and not stats.sample_due(DECODE, 8)
 
 
 # ---- the verdict --------------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ VLLM_NAMES = ["time_to_first_token_seconds", "time_per_output_token_seconds", "i
 
 @pytest.fixture(scope="module")
 def server(converted):
-    with live_server(converted("llama3.1"), TINY_ENGINE) as live:
+    # one token a step (no decode bursts), so that the counts below are per token
+    with live_server(converted("llama3.1"), TINY_ENGINE.replace(decode_burst=1)) as live:
         yield live
 
 

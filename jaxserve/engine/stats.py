@@ -50,6 +50,12 @@ class StepRecord:
     device_seconds: float = 0.0  # set by EngineStats.record
     host_gap: float = 0.0  # device idle just before it, waiting for the host; set by EngineStats.record
 
+    @property
+    def head_rows(self) -> int:
+        """Rows the LM head ran over: one a sequence, or in a decode burst one a sampled token (each step runs
+        the rows still in their burst)."""
+        return self.num_seqs if self.burst == 1 else self.sampled_tokens
+
 
 @dataclasses.dataclass
 class StepClock:
@@ -80,24 +86,25 @@ class StepClock:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepTotals:
     """Running sums since start-up (counters never go back, unlike the window of records). A value: each step
-    makes a new one, so a snapshot handed to another thread never changes. A decode burst of D steps counts as D
-    steps (forward passes) of its rows."""
+    makes a new one, so a snapshot handed to another thread never changes."""
 
-    steps: int = 0
+    steps: int = 0  # executable calls (a decode burst is one)
     tokens: int = 0
-    seqs: int = 0  # rows, summed over steps
+    seqs: int = 0
     sampled_tokens: int = 0
     context_tokens: int = 0
     attended_pairs: int = 0
     device_seconds: float = 0.0
     host_gap_seconds: float = 0.0
+    passes: int = 0  # forward passes: a decode burst's steps each count
+    head_rows: int = 0  # rows the LM head ran over, summed over passes
 
     def plus(self, record: StepRecord) -> "StepTotals":
-        return StepTotals(self.steps + record.burst, self.tokens + record.num_tokens,
-                          self.seqs + record.num_seqs * record.burst,
+        return StepTotals(self.steps + 1, self.tokens + record.num_tokens, self.seqs + record.num_seqs,
                           self.sampled_tokens + record.sampled_tokens, self.context_tokens + record.context_tokens,
                           self.attended_pairs + record.attended_pairs, self.device_seconds + record.device_seconds,
-                          self.host_gap_seconds + record.host_gap)
+                          self.host_gap_seconds + record.host_gap, self.passes + record.burst,
+                          self.head_rows + record.head_rows)
 
     @staticmethod
     def combine(totals) -> "StepTotals":

@@ -103,11 +103,12 @@ class ModelCost:
 
     def of_records(self, records) -> Work:
         """The work of some StepRecords (jaxserve.engine.stats): a decode burst of D steps is D forward passes,
-        each reading the weights and running the LM head over every row."""
+        each reading the weights and running the LM head over the rows still in their burst."""
         return self.work(sum(r.burst for r in records), sum(r.num_tokens for r in records),
-                         sum(r.num_seqs * r.burst for r in records), sum(r.context_tokens for r in records),
+                         sum(r.head_rows for r in records), sum(r.context_tokens for r in records),
                          sum(r.attended_pairs for r in records))
 
     def of_totals(self, totals) -> Work:
         """The work of an engine's running totals (jaxserve.engine.stats.StepTotals)."""
-        return self.work(totals.steps, totals.tokens, totals.seqs, totals.context_tokens, totals.attended_pairs)
+        return self.work(totals.passes, totals.tokens, totals.head_rows, totals.context_tokens,
+                         totals.attended_pairs)
