@@ -252,7 +252,7 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     wall, steps = _timed_run(engine, prompts, params)
     host_cpu = time.thread_time() - host_cpu
     # a decode burst (several decode steps in one call): its time shared by its steps
-    decode = [(b.done_at - a.done_at) / (b.sampled_tokens / b.num_seqs) for a, b in zip(steps, steps[1:])
+    decode = [(b.done_at - a.done_at) / b.burst for a, b in zip(steps, steps[1:])
               if a.shape.kind == "decode" and b.shape.kind == "decode"]
     step_time = statistics.mean(decode) if decode else float("nan")
     floor = weight_matmul_floor(engine, n)

@@ -160,11 +160,6 @@ class EngineStats:
         return (shape, burst) not in self.measured or self.idle_dispatches % SAMPLE_INTERVAL == 0
 
 
-def burst_length(plan) -> int:
-    """Decode steps per row in a plan's call: 1, or a decode burst's most."""
-    return max((row.burst for row in plan.seqs), default=1)
-
-
 def attention_work(context_len: int, num_new_tokens: int, sliding_window: int | None = None) -> int:
     """(query, key) pairs of one sequence's chunk: new token i (of n) at position c - n + i attends to the
     c - n + i + 1 tokens up to itself (at most `sliding_window` of them)."""
@@ -204,7 +199,7 @@ class StepMeter:
         """With the one-step-ahead overlap, a step dispatched to an idle device is sometimes waited for at once:
         an exact sample of its shape's device time (see the module docstring)."""
         self.stats.host_seconds += time.perf_counter() - self._started
-        if overlapped and self._device_idle and self.stats.sample_due(pending.shape, burst_length(pending.plan)):
+        if overlapped and self._device_idle and self.stats.sample_due(pending.shape, pending.plan.burst):
             pending.sampled.tokens.block_until_ready()
             self._clocks[pending.plan.step_id].end = time.perf_counter()
 
@@ -234,7 +229,7 @@ class StepMeter:
             pending.shape, pending.plan.num_tokens, len(rows), pending.dispatched_at, time.perf_counter(), clock.waited,
             sampled_tokens=sampled if generated is None else generated, context_tokens=context, attended_pairs=pairs,
             dispatch_started=clock.dispatch_started, ready_at=clock.ready_at, end_exact=clock.end is not None,
-            page_stall=pending.plan.waiting_for_pages, burst=burst_length(pending.plan)))
+            page_stall=pending.plan.waiting_for_pages, burst=pending.plan.burst))
 
 
 class NullMeter:

@@ -137,9 +137,14 @@ class StepPlan:
         return all(s.num_new_tokens == s.burst and s.sample for s in self.seqs)
 
     @property
+    def burst(self) -> int:
+        """Decode steps per row in the step's call: 1, or a decode burst's most."""
+        return max((s.burst for s in self.seqs), default=1)
+
+    @property
     def is_burst(self) -> bool:
         """A decode burst: each row decodes `burst` steps in a row, inside one executable call."""
-        return any(s.burst > 1 for s in self.seqs)
+        return self.burst > 1
 
     @property
     def is_verify(self) -> bool:
