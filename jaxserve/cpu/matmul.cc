@@ -233,7 +233,7 @@ struct Ahead {
 };
 
 // acc[r, j * kLanes + l] += sum over k < kc of x[r, k] * w[k, j * kLanes + l] for r < MR, j < NR, with x packed
-// [k, kMR]; with kPack also pack[k, j * kLanes + l] = w[k, j * kLanes + l] in float32.
+// [k, kMR]; with kPack also pack[k, j * kLanes + l] = w[k, j * kLanes + l] in float32. kc >= 1.
 template <int MR, int NR, bool kPack, typename WT>
 inline void MicroTile(const float* __restrict xp, const WT* __restrict w, int64_t w_stride, int64_t kc,
                       const Ahead& ahead, float* __restrict pack, float* __restrict acc, int64_t acc_stride) {
@@ -241,7 +241,10 @@ inline void MicroTile(const float* __restrict xp, const WT* __restrict w, int64_
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NR; ++j) c[r][j] = Load(acc + r * acc_stride + j * kLanes);
   }
-  for (int64_t k = 0; k < kc; ++k, w += w_stride, xp += kMR) {
+  // kc >= 1: a do-while, so that the sums need no copy for an empty band (GCC kept one on the stack, stored and
+  // reloaded around the loop: 64 rows 1.05x faster without, one core, 2-vCPU Zen 3 VM)
+  int64_t k = 0;
+  do {
     if (k < ahead.rows) {
       const char* p = ahead.first + k * ahead.stride;
       for (int b = 0; b < ahead.bytes; b += 64) __builtin_prefetch(p + b, 0, 2);  // into L2 (prefetcht1)
@@ -255,7 +258,8 @@ inline void MicroTile(const float* __restrict xp, const WT* __restrict w, int64_
       const fvec xb = Broadcast(xp[r]);
       for (int j = 0; j < NR; ++j) c[r][j] += xb * wv[j];
     }
-  }
+    ++k, w += w_stride, xp += kMR;
+  } while (k < kc);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NR; ++j) Store(acc + r * acc_stride + j * kLanes, c[r][j]);
   }
