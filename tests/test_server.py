@@ -313,10 +313,19 @@ def test_client_disconnect_mid_stream_frees_its_pages(server):
     assert metric(server, "jaxserve:request_success_total", finished_reason="abort") == aborted + 1
 
 
-def test_client_disconnect_while_waiting_for_a_whole_completion_frees_its_pages(server):
+def test_client_disconnect_while_waiting_for_a_whole_completion_frees_its_pages(server, monkeypatch):
     wait_until_idle(server)
     aborted = metric(server, "jaxserve:request_success_total", finished_reason="abort")
-    # 4 x 240 tokens take the tiny model about a second on a 2-core CPU: the client gives up after 0.1 s
+    # The client gives up after 0.1 s. 4 x 240 tokens took the tiny model 0.1-1 s on 2-core CPUs (decode bursts: 8
+    # tokens a step), so each engine step is made 20 ms longer: 30-odd steps outlast the client on any machine.
+    core = server.engine._core
+    step = core.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(core, "step", slow_step)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "n": 4, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
