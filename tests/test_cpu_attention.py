@@ -67,10 +67,12 @@ def test_ragged_matches_reference(rng, group, head_dim, page_size, dtype, window
         _check(out, ref, q, dtype, int(query_start[-1]))
 
 
-# (group, dtype, window, softcap): the prompt path's tiles hold 16 tokens (8 at group 8) and score keys 128 at a time,
-# so these prompts span several tiles and several key chunks, with chunks that start after a prefix.
+# (group, dtype, window, softcap): the prompt path's tiles hold up to 16 tokens, as many as fit 4 vectors of rows
+# (tokens x group: 64 rows with AVX-512, 32 with AVX2), and score keys 128 at a time, so these prompts span several
+# tiles and several key chunks, with chunks that start after a prefix. Group 16 fills a tile with 2 (AVX2) or 4
+# tokens; group 40 is wider than an AVX2 tile, so there its prompts take the per-token path.
 LONG_CASES = [(3, "float32", None, None), (1, "bfloat16", None, None), (8, "float32", 100, None),
-              (4, "bfloat16", 37, 30.0)]
+              (4, "bfloat16", 37, 30.0), (16, "float32", None, None), (40, "bfloat16", 50, None)]
 
 
 @pytest.mark.parametrize("group,dtype,window,softcap", LONG_CASES)

@@ -13,8 +13,8 @@
 //
 // Token t of sequence s sits at position context_lens[s] - (query_start[s + 1] - t) and attends to the cached
 // positions <= its own (and > its own - window when window > 0). Work is split into tasks that the calling thread
-// and XLA's intra-op thread pool share: a (token, kv head) pair for a decode token (or without AVX-512), a tile of
-// up to 16 consecutive tokens of one sequence against one kv head for a prompt's tokens (the prompt path below).
+// and XLA's intra-op thread pool share: a (token, kv head) pair for a decode token (or without AVX2), a tile of up
+// to 16 consecutive tokens of one sequence against one kv head for a prompt's tokens (the prompt path below).
 
 #include <algorithm>
 #include <climits>
@@ -137,19 +137,31 @@ inline void AddScaled(float* a, float w, const KT* v, int64_t d) {
   for (; i < d; ++i) a[i] += w * ToFloat(v[i]);
 }
 
-#if defined(__AVX512F__)
+// The blocked paths below (a vector's worth of keys dotted at once, value sums and a prompt's scores held in
+// registers) take AVX-512 or AVX2; their register budgets are sized for 32 and 16 vector registers.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define JAXSERVE_BLOCKED_ATTENTION 1
 constexpr int64_t kMaxBlockedDim = 256;  // head_dim the blocked paths take
+#if defined(__AVX512F__)
 constexpr int64_t kHeadsInRegisters = 4;  // query heads whose value sums stay in registers together (4 x 4 vectors)
+constexpr int kRowVectors = 4;            // vectors of a value row those sums cover at a time
+typedef __m512 vreg;
+#else
+constexpr int64_t kHeadsInRegisters = 4;  // 4 x 2 vectors: 8 sums, 2 value vectors and a splat of the 16
+constexpr int kRowVectors = 2;
+typedef __m256 vreg;
+#endif
 
-inline __m512 AsM512(fvec v) {
-  __m512 x;
+inline vreg AsReg(fvec v) {
+  vreg x;
   std::memcpy(&x, &v, sizeof(x));
   return x;
 }
 
-// {sum(v[0]), ..., sum(v[15])}: the 16 vectors' horizontal sums in one vector, by pairwise interleaves and adds
-// (45 operations, where 16 separate reductions take about 160).
-inline fvec Sums16(const __m512* v) {
+// {sum(v[0]), ..., sum(v[kLanes - 1])}: the vectors' horizontal sums in one vector, by pairwise interleaves and
+// adds (AVX-512: 45 operations, where 16 separate reductions take about 160).
+inline fvec SumsOfLanes(const vreg* v) {
+#if defined(__AVX512F__)
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -165,21 +177,33 @@ inline fvec Sums16(const __m512* v) {
                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
   const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+#else
+  __m256 t[4], u[2];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
+    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: that lane's sums of keys 4i..4i+3
+    u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // the two 128-bit lanes summed: the low lane of the result holds keys 0..3, the high one keys 4..7
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+#endif
   fvec out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
 }
 
-// {q . keys[0], ..., q . keys[15]} over d values (a multiple of kLanes)
+// {q . keys[0], ..., q . keys[kLanes - 1]} over d values (a multiple of kLanes)
 template <typename KT>
-inline fvec Dots16(const float* q, const KT* const* keys, int64_t d) {
-  __m512 part[kLanes];
-  for (int i = 0; i < kLanes; ++i) part[i] = AsM512(Load(q) * Load(keys[i]));
+inline fvec DotsOfLanes(const float* q, const KT* const* keys, int64_t d) {
+  vreg part[kLanes];
+  for (int i = 0; i < kLanes; ++i) part[i] = AsReg(Load(q) * Load(keys[i]));
   for (int64_t c = kLanes; c < d; c += kLanes) {
     const fvec qc = Load(q + c);
-    for (int i = 0; i < kLanes; ++i) part[i] = AsM512(fvec(part[i]) + qc * Load(keys[i] + c));
+    for (int i = 0; i < kLanes; ++i) part[i] = AsReg(fvec(part[i]) + qc * Load(keys[i] + c));
   }
-  return Sums16(part);
+  return SumsOfLanes(part);
 }
 
 // Weight w(h, j) of head (or row) h for key j sits at weights[h * Strides::head + j * Strides::key].
@@ -220,12 +244,13 @@ inline void WeightedRowsTile(const float* weights, Strides ws, int64_t n, RowOf 
 template <int H, typename RowOf>
 inline void WeightedRowsHeads(const float* weights, Strides ws, int64_t n, RowOf row_of, int64_t d, int64_t ahead,
                               float* acc) {
-  for (int64_t c0 = 0; c0 < d; c0 += 4 * kLanes) {
-    switch ((d - c0) / kLanes) {
+  static_assert(kRowVectors <= 4, "one case per vector count");
+  for (int64_t c0 = 0; c0 < d; c0 += kRowVectors * kLanes) {
+    switch (std::min<int64_t>(kRowVectors, (d - c0) / kLanes)) {
       case 1: WeightedRowsTile<H, 1>(weights, ws, n, row_of, c0, d, ahead, acc); break;
       case 2: WeightedRowsTile<H, 2>(weights, ws, n, row_of, c0, d, ahead, acc); break;
       case 3: WeightedRowsTile<H, 3>(weights, ws, n, row_of, c0, d, ahead, acc); break;
-      default: WeightedRowsTile<H, 4>(weights, ws, n, row_of, c0, d, ahead, acc); break;
+      default: WeightedRowsTile<H, kRowVectors>(weights, ws, n, row_of, c0, d, ahead, acc); break;
     }
   }
 }
@@ -295,8 +320,8 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r) + b, 0, 3);
   };
   int64_t j = 0;
-#if defined(__AVX512F__)
-  if (d % kLanes == 0 && d <= kMaxBlockedDim) {  // 16 keys at a time, their 16 dots summed together
+#if defined(JAXSERVE_BLOCKED_ATTENTION)
+  if (d % kLanes == 0 && d <= kMaxBlockedDim) {  // a vector's worth of keys at a time, their dots summed together
     for (; j + kLanes <= n; j += kLanes) {
       const KT* keys[kLanes];
       for (int64_t i = 0; i < kLanes; ++i) {
@@ -304,7 +329,7 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
         prefetch(next < n ? row(cache_k, first + next) : row(cache_v, first + next - n));
         keys[i] = row(cache_k, first + j + i);
       }
-      for (int64_t g = 0; g < group; ++g) Store(scores + g * n + j, Dots16(qf + g * d, keys, d));
+      for (int64_t g = 0; g < group; ++g) Store(scores + g * n + j, DotsOfLanes(qf + g * d, keys, d));
     }
   }
 #endif
@@ -324,7 +349,7 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   }
   buf.acc.assign(group * d, 0.0f);
   float* acc = buf.acc.data();
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_BLOCKED_ATTENTION)
   if (d % kLanes == 0 && d <= kMaxBlockedDim) {  // the value rows into sums held in registers, a few heads at once
     for (int64_t g = 0; g < group; g += kHeadsInRegisters) {
       WeightedRows(scores + g * n, Strides{n, 1}, n, std::min<int64_t>(kHeadsInRegisters, group - g),
@@ -342,14 +367,15 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_BLOCKED_ATTENTION)
 // The prompt path. A prompt's tokens attend to nearly the same keys, so a task takes a tile of consecutive query
-// tokens of one sequence against one kv head: rows = tokens x the kv head's query heads, at most kTileRows. Each key
+// tokens of one sequence against one kv head: rows = tokens x the kv head's query heads, at most kTileRows (4 row
+// vectors: 64 with AVX-512, 32 with AVX2). Each key
 // and value row is then read once for the tile instead of once per token, and the rows sit in the vector lanes:
 // scores are kept key-major (st[j * rp + r]), so the softmax's maximum, exponentials and sums are lanewise, with no
 // horizontal reductions. Keys go by chunks of kKeyChunk, the softmax running online across chunks (each row's
 // maximum and sum carried, earlier sums rescaled), so the buffers stay in cache for any context length.
-constexpr int64_t kTileRows = 64;
+constexpr int64_t kTileRows = 4 * kLanes;
 constexpr int64_t kTileTokens = 16;
 constexpr int64_t kKeyChunk = 128;
 
@@ -377,7 +403,11 @@ inline void ScoreBlock(const float* qt, int64_t rp, int64_t d, KeyOf key_of, int
 
 template <int RV, typename KeyOf>
 inline void ScoreChunk(const float* qt, int64_t rp, int64_t d, KeyOf key_of, int64_t n, float* st) {
-  constexpr int KB = RV == 1 ? 12 : RV == 2 ? 8 : 24 / RV;  // at most 24 sums in registers
+#if defined(__AVX512F__)
+  constexpr int KB = RV == 1 ? 12 : RV == 2 ? 8 : 24 / RV;  // at most 24 sums in registers (of 32)
+#else
+  constexpr int KB = RV == 1 ? 12 : RV == 2 ? 6 : RV == 3 ? 3 : 2;  // KB x RV sums, RV rows and a splat in 16
+#endif
   int64_t j = 0;
   for (; j + KB <= n; j += KB) ScoreBlock<RV, KB>(qt, rp, d, key_of, j, st);
   for (; j < n; ++j) ScoreBlock<RV, 1>(qt, rp, d, key_of, j, st);
@@ -500,8 +530,9 @@ template <typename QT, typename KT>
 void Run(ffi::ThreadPool& pool, Problem& p, const void* q, const void* k, const void* v, void* out) {
   std::vector<Task> tasks;
   std::vector<bool> tiled(p.num_tokens, false);
-#if defined(__AVX512F__)
-  if (p.head_dim % kLanes == 0 && p.head_dim <= kMaxBlockedDim) {
+#if defined(JAXSERVE_BLOCKED_ATTENTION)
+  // a tile's rows fit its vectors only when a token's query heads do (AVX2: groups up to 32)
+  if (p.head_dim % kLanes == 0 && p.head_dim <= kMaxBlockedDim && p.num_heads / p.kv_heads <= kTileRows) {
     const int64_t tile = TileTokens(p.num_heads / p.kv_heads);
     for (int64_t s = 0; s < p.num_seqs; ++s) {
       const int64_t begin = std::max<int64_t>(p.query_start[s], 0);
@@ -530,7 +561,7 @@ void Run(ffi::ThreadPool& pool, Problem& p, const void* q, const void* k, const 
   auto* ot = static_cast<QT*>(out);
   ParallelFor(pool, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& task = tasks[i];
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_BLOCKED_ATTENTION)
     if (task.s >= 0) {
       thread_local TileBuffers buf;
       AttendTile<QT, KT>(p, qt, kt, vt, ot, task.s, task.t0, task.t1, task.kv_head, buf);
