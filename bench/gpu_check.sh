@@ -31,7 +31,7 @@ BENCH_RC=$?
 
 phase "end-to-end offline throughput"
 if [[ -f bench/offline_throughput.py ]]; then
-  cap 200 $PY bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 256 --out "$OUT/e2e.json" \
+  cap 200 $PY bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 256 --repeats 1 --out "$OUT/e2e.json" \
     2>&1 | tee "$OUT/e2e.log" | tail -30
   E2E_RC=$?
 else

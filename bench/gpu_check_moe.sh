@@ -32,7 +32,7 @@ cap 80 $PY bench/moe_grouped.py --preset mixtral --tokens 1 16 64 256 --out "$OU
 GROUPED_RC=$?
 
 phase "Mixtral-shaped layers: decode step vs the matmuls of the experts hit"
-cap 150 $PY bench/offline_throughput.py --preset mixtral-layers --batch-sizes 1 16 64 --input-len 128 \
+cap 150 $PY bench/offline_throughput.py --preset mixtral-layers --repeats 1 --batch-sizes 1 16 64 --input-len 128 \
   --output-len 64 --out "$OUT/moe_e2e.json" 2>&1 | tee "$OUT/moe_e2e.log" | tail -6
 E2E_RC=$?
 

@@ -24,7 +24,7 @@ while ((TP * 2 <= GPUS && TP < 8)); do TP=$((TP * 2)); done  # the largest power
 cap 120 $PY bench/tp_check.py --tensor-parallel-size "$TP" --preset small --attention pallas \
   2>&1 | grep -v Warning | tee "$OUT/parallel_check.log" | grep '^{' > "$OUT/parallel_check.json"
 CHECK_RC=$?
-cap 200 $PY bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 --tensor-parallel-size "$TP" \
+cap 200 $PY bench/offline_throughput.py --preset llama3-8b --batch-sizes 1 16 64 --repeats 1 --tensor-parallel-size "$TP" \
   --out "$OUT/parallel_e2e.json" 2>&1 | tee "$OUT/parallel_e2e.log" | tail -5
 E2E_RC=$?
 {

@@ -11,9 +11,12 @@ results, output processing) per step of the timed run (`steps`; `calls`: executa
 bursts), and `host_cpu_share` that over the wall time: where the host's cores are also the device's (a CPU
 backend), that time is taken from the step's own threads, so it adds to the step rather than hiding behind it
 once the cores are busy. A decode burst (several decode steps in one call, the CPU's default at small batches)
-counts as its steps, each its share of the call's time. `decode_weight_gb_s` is the weight bytes one decode step
-must read over the mean step time, and `decode_weight_bw_vs_copy` (CPU) that over the copy bandwidth measured in
-the same run (bench/cpu_matmul.py).
+counts as its steps, each its share of the call's time. The workload is timed --repeats times (3); step times
+are the median run's mean step (`decode_step_ms_runs`: each run's), throughput the median run's.
+`decode_weight_gb_s` is the weight bytes one decode step must read over the mean step time, and
+`decode_weight_bw_vs_copy` (CPU) that over the copy bandwidth (bench/cpu_matmul.py) measured right after each run,
+the median of the runs' ratios (`decode_weight_bw_vs_copy_runs`): on a shared VM memory bandwidth moves by a third
+within minutes, and a copy measured next to each run tracks it where one copy per process does not.
 
     python bench/offline_throughput.py --preset small --batch-sizes 1 16 64
     python bench/offline_throughput.py --model checkpoints/demo --batch-sizes 8
@@ -201,11 +204,12 @@ def _elements(leaf, cfg: ModelConfig) -> int:
     return _values(leaf).size * (2 if packed else 1)
 
 
-def machine_copy_bandwidth() -> float | None:
-    """Bytes/s numpy copies at (read + write counted), measured once per process; None off a CPU backend."""
+def machine_copy_bandwidth(fresh: bool = False) -> float | None:
+    """Bytes/s numpy copies at (read + write counted, best of 5), measured once per process unless `fresh`; None off
+    a CPU backend."""
     if jax.default_backend() != "cpu":
         return None
-    if "copy" not in _CEILINGS:
+    if fresh or "copy" not in _CEILINGS:
         _CEILINGS["copy"] = copy_bandwidth()
     return _CEILINGS["copy"]
 
@@ -248,16 +252,20 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     _generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "warm")
     device_seconds = _device_seconds(engine, prompts, params)
-    host_cpu = time.thread_time()
-    wall, steps = _timed_run(engine, prompts, params)
-    host_cpu = time.thread_time() - host_cpu
-    # a decode burst (several decode steps in one call): its time shared by its steps
-    decode = [(b.done_at - a.done_at) / b.burst for a, b in zip(steps, steps[1:])
-              if a.shape.kind == "decode" and b.shape.kind == "decode"]
-    step_time = statistics.mean(decode) if decode else float("nan")
+    runs, host_cpu = [], 0.0  # (wall, steps, mean decode step, copy bandwidth measured right after)
+    for _ in range(args.repeats):
+        cpu_before = time.thread_time()
+        wall, steps = _timed_run(engine, prompts, params)
+        host_cpu += time.thread_time() - cpu_before
+        runs.append((wall, steps, _mean_decode_step(steps), machine_copy_bandwidth(fresh=True)))
+    wall, steps = sorted(runs, key=lambda run: run[0])[len(runs) // 2][:2]  # the median run
+    step_time = statistics.median(run[2] for run in runs)
     floor = weight_matmul_floor(engine, n)
     floor_unstacked = weight_matmul_floor(engine, n, unstacked=True) if jax.default_backend() == "cpu" else None
     hardware = hardware_floor(engine, n)
+    copies = [run[3] for run in runs if run[3]]
+    if copies:  # the copies measured next to the runs
+        hardware["copy_gb_s"] = round(statistics.median(copies) / 1e9, 2)
     out_tokens = n * args.output_len
     return dict(engine="jaxserve", model=args.model or args.preset,
                 dtype=str(engine.core.runner.params["embed"][...].dtype),
@@ -268,23 +276,38 @@ def run_batch(engine: LLMEngine, n: int, args) -> dict:
                 decode_vs_floor=round(step_time / floor, 3),
                 matmul_floor_unstacked_ms=floor_unstacked and round(floor_unstacked * 1e3, 3),
                 decode_vs_unstacked_floor=floor_unstacked and round(step_time / floor_unstacked, 3),
+                decode_step_ms_runs=[round(run[2] * 1e3, 3) for run in runs],
                 **hardware, decode_vs_hardware_floor=round(step_time * 1e3 / hardware["hardware_floor_ms"], 3),
-                **_achieved_bandwidth(hardware, step_time),
+                **_achieved_bandwidth(hardware, step_time, runs),
                 device_s=round(device_seconds, 3),
                 host_not_overlapped_share=round(max(0.0, 1 - device_seconds / wall), 3),
-                host_cpu_ms_per_step=round(host_cpu / sum(s.burst for s in steps) * 1e3, 3),
-                host_cpu_share=round(host_cpu / wall, 3),
+                host_cpu_ms_per_step=round(host_cpu / sum(sum(s.burst for s in run[1]) for run in runs) * 1e3, 3),
+                host_cpu_share=round(host_cpu / sum(run[0] for run in runs), 3),
                 attention=engine.core.kernels.attention_name, device=jax.devices()[0].device_kind,
                 host=platform.node(), ts=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
-def _achieved_bandwidth(hardware: dict, step_time: float) -> dict:
-    """The weight bytes a decode step must read over its mean time, and that as a fraction of the copy and read
-    bandwidths measured in the same run (copy: numpy's, read + write bytes counted; CPU only)."""
-    rate = hardware["floor_weight_bytes"] / step_time / 1e9
+def _mean_decode_step(steps) -> float:
+    """The mean decode step of a timed run; a decode burst (several decode steps in one call): its time shared by
+    its steps."""
+    decode = [(b.done_at - a.done_at) / b.burst for a, b in zip(steps, steps[1:])
+              if a.shape.kind == "decode" and b.shape.kind == "decode"]
+    return statistics.mean(decode) if decode else float("nan")
+
+
+def _achieved_bandwidth(hardware: dict, step_time: float, runs) -> dict:
+    """The weight bytes a decode step must read over its mean time, and that as a fraction of the read bandwidth
+    measured once and of the copy bandwidth measured after each run (copy: numpy's, read + write bytes counted;
+    CPU only): the median of the runs' ratios, each run's mean step against the copy right after it."""
+    weight_bytes = hardware["floor_weight_bytes"]
+    rate = weight_bytes / step_time / 1e9
     out = dict(decode_weight_gb_s=round(rate, 2), decode_weight_bw_vs_read=round(rate / hardware["read_gb_s"], 3))
-    if hardware["copy_gb_s"]:
-        out["decode_weight_bw_vs_copy"] = round(rate / hardware["copy_gb_s"], 3)
+    paired = [(weight_bytes / step / 1e9, copy / 1e9) for _, _, step, copy in runs if copy]
+    if paired:
+        ratios = [rate / copy for rate, copy in paired]
+        out.update(copy_gb_s_runs=[round(copy, 2) for _, copy in paired],
+                   decode_weight_bw_vs_copy=round(statistics.median(ratios), 3),
+                   decode_weight_bw_vs_copy_runs=[round(ratio, 3) for ratio in ratios])
     return out
 
 
@@ -327,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each batch size (medians reported)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="devices one model is sharded over")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="model replicas (end-to-end numbers only)")
