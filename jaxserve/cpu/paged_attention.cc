@@ -158,18 +158,33 @@ inline vreg AsReg(fvec v) {
   return x;
 }
 
+// The first two levels of SumsOfLanes' tree, per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of vectors a, b; then
+// of two such, [a, b, c, d] summed over their four lanes.
+#if defined(__AVX512F__)
+inline vreg InterleavedSum(vreg a, vreg b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+inline vreg PairedSum(vreg a, vreg b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+#else
+inline vreg InterleavedSum(vreg a, vreg b) {
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+}
+inline vreg PairedSum(vreg a, vreg b) {
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+#endif
+
 // {sum(v[0]), ..., sum(v[kLanes - 1])}: the vectors' horizontal sums in one vector, by pairwise interleaves and
 // adds (AVX-512: 45 operations, where 16 separate reductions take about 160).
 inline fvec SumsOfLanes(const vreg* v) {
+  vreg t[kLanes / 2], u[kLanes / 4];
+  for (int i = 0; i < kLanes / 2; ++i) t[i] = InterleavedSum(v[2 * i], v[2 * i + 1]);  // keys 2i, 2i + 1
+  for (int i = 0; i < kLanes / 4; ++i) u[i] = PairedSum(t[2 * i], t[2 * i + 1]);  // per lane, keys 4i..4i+3
 #if defined(__AVX512F__)
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of keys 4i..4i+3
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
   // the four 128-bit lanes summed: lane i of the result holds keys 4i..4i+3
   const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
                                    _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -178,14 +193,6 @@ inline fvec SumsOfLanes(const vreg* v) {
   const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 #else
-  __m256 t[4], u[2];
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
-    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: that lane's sums of keys 4i..4i+3
-    u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
   // the two 128-bit lanes summed: the low lane of the result holds keys 0..3, the high one keys 4..7
   const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 #endif
