@@ -304,7 +304,7 @@ def _achieved_bandwidth(hardware: dict, step_time: float, runs) -> dict:
     out = dict(decode_weight_gb_s=round(rate, 2), decode_weight_bw_vs_read=round(rate / hardware["read_gb_s"], 3))
     paired = [(weight_bytes / step / 1e9, copy / 1e9) for _, _, step, copy in runs if copy]
     if paired:
-        ratios = [rate / copy for rate, copy in paired]
+        ratios = [run_rate / copy for run_rate, copy in paired]
         out.update(copy_gb_s_runs=[round(copy, 2) for _, copy in paired],
                    decode_weight_bw_vs_copy=round(statistics.median(ratios), 3),
                    decode_weight_bw_vs_copy_runs=[round(ratio, 3) for ratio in ratios])

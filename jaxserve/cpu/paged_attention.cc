@@ -142,12 +142,13 @@ inline void AddScaled(float* a, float w, const KT* v, int64_t d) {
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define JAXSERVE_BLOCKED_ATTENTION 1
 constexpr int64_t kMaxBlockedDim = 256;  // head_dim the blocked paths take
+constexpr int64_t kHeadsInRegisters = 4;  // query heads whose value sums stay in registers together
+// vectors of a value row those sums cover at a time: 4 x 4 sums of 32 registers (AVX-512); 4 x 2 sums, 2 value
+// vectors and a splat of 16 (AVX2)
 #if defined(__AVX512F__)
-constexpr int64_t kHeadsInRegisters = 4;  // query heads whose value sums stay in registers together (4 x 4 vectors)
-constexpr int kRowVectors = 4;            // vectors of a value row those sums cover at a time
+constexpr int kRowVectors = 4;
 typedef __m512 vreg;
 #else
-constexpr int64_t kHeadsInRegisters = 4;  // 4 x 2 vectors: 8 sums, 2 value vectors and a splat of the 16
 constexpr int kRowVectors = 2;
 typedef __m256 vreg;
 #endif
@@ -377,11 +378,11 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
 #if defined(JAXSERVE_BLOCKED_ATTENTION)
 // The prompt path. A prompt's tokens attend to nearly the same keys, so a task takes a tile of consecutive query
 // tokens of one sequence against one kv head: rows = tokens x the kv head's query heads, at most kTileRows (4 row
-// vectors: 64 with AVX-512, 32 with AVX2). Each key
-// and value row is then read once for the tile instead of once per token, and the rows sit in the vector lanes:
-// scores are kept key-major (st[j * rp + r]), so the softmax's maximum, exponentials and sums are lanewise, with no
-// horizontal reductions. Keys go by chunks of kKeyChunk, the softmax running online across chunks (each row's
-// maximum and sum carried, earlier sums rescaled), so the buffers stay in cache for any context length.
+// vectors: 64 with AVX-512, 32 with AVX2). Each key and value row is then read once for the tile instead of once
+// per token, and the rows sit in the vector lanes: scores are kept key-major (st[j * rp + r]), so the softmax's
+// maximum, exponentials and sums are lanewise, with no horizontal reductions. Keys go by chunks of kKeyChunk, the
+// softmax running online across chunks (each row's maximum and sum carried, earlier sums rescaled), so the buffers
+// stay in cache for any context length.
 constexpr int64_t kTileRows = 4 * kLanes;
 constexpr int64_t kTileTokens = 16;
 constexpr int64_t kKeyChunk = 128;
