@@ -317,27 +317,29 @@ void AttendToken(const Problem& p, const QT* q, const KT* cache_k, const KT* cac
   for (int64_t i = 0; i < group * d; ++i) qf[i] = ToFloat(q[(token * p.num_heads + head0) * d + i]) * p.scale;
   buf.scores.resize(group * n);
   float* scores = buf.scores.data();
-  // The token's key rows (rows[j], j < n), then its value rows (rows[n + j]), looked up page by page once: a
-  // division by the page size for every row and pass was most of a short context's time (one request, 192 keys:
-  // 12 us a task in a decode step).
+  // The token's key rows (rows[j], j < n), then its value rows (rows[n + j]), looked up page by page once. A division
+  // by the page size for every row, and again on every pass over the values, made 16 decode tokens at 256 keys of
+  // context 1.4-1.9x slower with the cache's rows in cache (bench/cpu_attention.py); read from memory, level.
   const int32_t* table = p.block_tables + s * p.max_pages;
   const int64_t layer_head = (p.layer * p.kv_heads + kv_head) * p.num_pages;
   buf.rows.resize(2 * n);
   const KT** rows = reinterpret_cast<const KT**>(buf.rows.data());
-  for (int64_t key = first, j = 0; j < n; ++key) {
-    const int64_t page = layer_head + table[key / p.page_size], in_page = key % p.page_size;
-    const int64_t count = std::min(p.page_size - in_page, n - j);
-    const KT* k_row = cache_k + (page * p.page_size + in_page) * d;
-    const KT* v_row = cache_v + (page * p.page_size + in_page) * d;
-    for (int64_t i = 0; i < count; ++i, ++j) rows[j] = k_row + i * d, rows[n + j] = v_row + i * d;
-    key += count - 1;
+  for (int64_t j = 0; j < n;) {
+    const int64_t key = first + j, in_page = key % p.page_size;
+    const int64_t at = ((layer_head + table[key / p.page_size]) * p.page_size + in_page) * d;
+    const int64_t count = std::min(p.page_size - in_page, n - j);  // the rows left in this page
+    for (int64_t i = 0; i < count; ++i, ++j) {
+      rows[j] = cache_k + at + i * d;
+      rows[n + j] = cache_v + at + i * d;
+    }
   }
   // Pages are scattered, so the prefetchers lose the stream at each page's end: each key's row prefetches the row
   // two pages on (the keys', then the values' first rows), so a page is in cache when its turn comes.
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KT)), ahead = 2 * p.page_size;
   const auto prefetch = [&](int64_t j) {  // rows[j + ahead], past the values' last row none
     if (j + ahead >= 2 * n) return;
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j + ahead]) + b, 0, 3);
+    const char* row = reinterpret_cast<const char*>(rows[j + ahead]);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
   };
   int64_t j = 0;
 #if defined(JAXSERVE_BLOCKED_ATTENTION)
