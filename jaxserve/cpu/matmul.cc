@@ -334,12 +334,12 @@ constexpr int kOneTileNR = 4;
 // the panel's two halves at once ran 1.10-1.13x (float32) and 1.07-1.20x (int8) faster than down the panel in one
 // stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two. Down
 // the whole panel in one stream was itself 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two halves.
-// Narrow weights prefetch each stream kStreamAhead bytes ahead, into L2. An int8 row is one cache line against
-// float32's four, and widening and converting it fill the core's reorder window with work per line, so too few
-// lines were in flight for memory's rate. The small preset's 100 MB of int8 products as a decode step calls them
-// (two threads, pairs interleaved in one process, 2-vCPU Zen 3 VM): 16.0 GB/s without, 16.6 with, 233 of 300 pairs
-// faster; bfloat16 1.06x; float32 0.84x, so not there; 1 to 3 KB ahead alike. One request end to end: int8 1.05x
-// (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
+// Narrow weights prefetch each stream kStreamAhead bytes ahead, into L2: an int8 row is one cache line against
+// float32's four, so a stream moves on by one line per row walked. (Not because of the widening: int8 bytes read as
+// float32 lanes, with no widening at all, walked no faster, 0.96-1.04x.) The small preset's 100 MB of int8 products as
+// a decode step calls them (two threads, pairs interleaved in one process, 2-vCPU Zen 3 VM): 16.0 GB/s without, 16.6
+// with, 233 of 300 pairs faster; bfloat16 1.06x; float32 0.84x, so not there; 1 to 3 KB ahead alike. One request end to
+// end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
 constexpr int64_t kStreamAhead = 2048;
 
 template <int S, typename WT>
