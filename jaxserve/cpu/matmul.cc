@@ -309,8 +309,8 @@ void Panel(const Shape& s, const float* xp, int64_t k, const WT* w, int64_t kc, 
 }
 
 // x [M, K] packed tile by tile, row index fastest: xp[t, k, r] = x[t * kMR + r, k]. The last tile's lanes past M
-// are left as they were: every walk multiplies a tile's real rows only (MicroTileRows, Streams), and writing them
-// zero was most of this pass's stores at one row (5 of 6 lanes), 1.3% of an int8 one-request step's CPU time.
+// are left as they were: every walk multiplies a tile's real rows only (MicroTileRows), and writing them zero was
+// most of this pass's stores at one row (5 of 6 lanes), 1.3% of an int8 one-request step's CPU time.
 void PackRows(const Shape& s, const float* x, float* xp) {
   for (int64_t m = 0; m < s.m; ++m) {
     float* out = xp + m / kMR * s.k * kMR + m % kMR;
@@ -342,8 +342,15 @@ constexpr int kOneTileNR = 4;
 // end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
 constexpr int64_t kStreamAhead = 2048;
 
+// One row of x on a packed weight walks Streams, measured on AVX2 only (AVX-512 takes the register tiles).
+#if defined(__AVX512F__)
+constexpr bool kOneRowStreams = false;
+#else
+constexpr bool kOneRowStreams = true;
+#endif
+
 template <int S, typename WT>
-void Streams(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc) {
+void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc) {
   constexpr bool kAhead = sizeof(WT) < sizeof(float);
   constexpr int kRowBytes = kPackCols * sizeof(WT);
   constexpr int NR = kPackCols / kLanes;
@@ -351,10 +358,10 @@ void Streams(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k
   for (int v = 0; v < NR; ++v) c[v] = fvec{};
   const int64_t part = (k1 - k0) / S;
   const WT* r[S];
-  const float* x[S];
+  const float* xs[S];
   for (int i = 0; i < S; ++i) {
     r[i] = At(s, w, k0 + i * part, j);
-    x[i] = xp + (k0 + i * part) * kMR;
+    xs[i] = x + k0 + i * part;
   }
   const auto add_row = [&](float xk, const WT* row) {  // c += x[k] * w[k, j:j + kPackCols]
     const fvec bx = Broadcast(xk);
@@ -366,10 +373,10 @@ void Streams(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k
         const char* ahead = reinterpret_cast<const char*>(r[i] + k * kPackCols) + kStreamAhead;
         for (int b = 0; b < kRowBytes; b += 64) __builtin_prefetch(ahead + b, 0, 2);  // into L2 (prefetcht1)
       }
-      add_row(x[i][k * kMR], r[i] + k * kPackCols);
+      add_row(xs[i][k], r[i] + k * kPackCols);
     }
   }
-  for (int64_t k = k0 + S * part; k < k1; ++k) add_row(xp[k * kMR], At(s, w, k, j));  // left over from S parts
+  for (int64_t k = k0 + S * part; k < k1; ++k) add_row(x[k], At(s, w, k, j));  // left over from S parts
   for (int v = 0; v < NR; ++v) Store(acc + v * kLanes, c[v]);
 }
 
@@ -391,10 +398,11 @@ void PanelByPanel(const Shape& s, const float* xp, const WT* w, int64_t k0, int6
   }
 }
 
-// acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1], register-blocked; xp is x packed.
+// acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1], register-blocked; xp is x packed
+// (PackRows), except for one row on a packed weight with AVX2 (kOneRowStreams), which reads x where it is.
 template <typename WT>
-void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
-                       float* acc, int64_t acc_stride) {
+void AccumulateBlocked(const Shape& s, const float* x, const float* xp, const WT* w, int64_t k0, int64_t k1,
+                       int64_t n0, int64_t n1, float* acc, int64_t acc_stride) {
   const int64_t nb = n1 - n0;
   // One tile of x on a packed weight: panel by panel, each walked down all its rows in sequential runs the
   // prefetchers follow (band-ahead prefetching measured slower here); one row on AVX2 walks each panel's two halves
@@ -402,12 +410,10 @@ void AccumulateBlocked(const Shape& s, const float* xp, const WT* w, int64_t k0,
   // than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
   // memory once, in order, and from L1 for the other parts. More tiles with AVX2 on a packed weight: panel by panel
   // as well, below; otherwise band by band, so that x's band stays in L1 across the panels.
-#if !defined(__AVX512F__)
-  if (s.packed && s.m == 1) {  // measured on AVX2 only
-    for (int64_t p = 0; p < nb; p += kPackCols) Streams<2>(s, xp, w, k0, k1, n0 + p, acc + p);
+  if (kOneRowStreams && s.packed && s.m == 1) {
+    for (int64_t p = 0; p < nb; p += kPackCols) Streams<2>(s, x, w, k0, k1, n0 + p, acc + p);
     return;
   }
-#endif
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
   if (s.packed && s.m <= kMR) {
     PanelByPanel<kOneTileNR>(s, xp, w, k0, k1, n0, nb, kKC, /*prefetch=*/false, acc, acc_stride);
@@ -652,7 +658,7 @@ void RunTask(const Product& p, const float* x, const float* xp, int64_t task) {
   alignas(64) float local[kAccFloats + kMaxStreamedRows * kLanes];
   if (p.blocked) {
     acc = Scratch<2>(s.m * stride);
-    AccumulateBlocked(s, xp, w, k0, k1, n0, n0 + nb, acc, stride);
+    AccumulateBlocked(s, x, xp, w, k0, k1, n0, n0 + nb, acc, stride);
   } else {
     acc = local;
     Accumulate(s, x, w, k0, k1, n0, n0 + nb, acc, stride);
@@ -692,8 +698,13 @@ void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& pr
     partials += p.partial_size();
     any_blocked |= p.blocked;
   }
+  // One row on packed weights with AVX2 is not packed: Streams reads it where it is. Packing it took ~2 us of each
+  // such call before any thread could start (the row had just been written on the other core), 0.1 ms of an int8
+  // one-request step.
+  const bool x_as_is = kOneRowStreams && m == 1 &&
+                       std::all_of(products.begin(), products.end(), [](const Product& p) { return p.s.packed; });
   float* xp = nullptr;
-  if (any_blocked) {
+  if (any_blocked && !x_as_is) {
     xp = Scratch<3>((m + kMR - 1) / kMR * kMR * k);
     PackRows(products[0].s, x, xp);
   }
