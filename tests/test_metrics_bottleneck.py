@@ -128,9 +128,12 @@ def test_one_request_on_a_deep_narrow_model_is_latency_bound(ceilings):
     what sets its time is the cost of running those operations at all: near neither ceiling."""
     engine = LLMEngine(random_model(DEEP, jnp.float32), DEEP_ENGINE, show_progress=False)
     rng = np.random.default_rng(3)
-    records = run(engine, [rng.integers(3, DEEP.vocab_size, 8).tolist()], SamplingParams(max_tokens=40, **GREEDY),
+    records = run(engine, [rng.integers(3, DEEP.vocab_size, 8).tolist()], SamplingParams(max_tokens=56, **GREEDY),
                   "light")
-    report = window_report([r for r in records if r.shape.kind == "decode"][4:], model_cost(engine.core), ceilings)
+    # On the CPU kernels a decode record is a burst of up to 8 steps: the first is left out (warm-up) and the verdict
+    # is over the other six, not over a single burst's timing.
+    decode = [r for r in records if r.shape.kind == "decode"]
+    report = window_report(decode[1:], model_cost(engine.core), ceilings)
     print(describe("one request on a deep narrow model", report, ceilings))
     assert report.verdict == "latency"
     assert max(report.bandwidth_fraction, report.compute_fraction) < LATENCY_CEILING_FRACTION
