@@ -342,12 +342,14 @@ constexpr int kOneTileNR = 4;
 // end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
 constexpr int64_t kStreamAhead = 2048;
 
-// One row of x on a packed weight walks Streams, measured on AVX2 only (AVX-512 takes the register tiles).
+// One row of x on a packed weight walks Streams, measured on AVX2 only (AVX-512 takes the register tiles). Streams
+// reads x where it is, not packed.
 #if defined(__AVX512F__)
 constexpr bool kOneRowStreams = false;
 #else
 constexpr bool kOneRowStreams = true;
 #endif
+inline bool WalksStreams(const Shape& s) { return kOneRowStreams && s.packed && s.m == 1; }
 
 template <int S, typename WT>
 void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc) {
@@ -399,7 +401,7 @@ void PanelByPanel(const Shape& s, const float* xp, const WT* w, int64_t k0, int6
 }
 
 // acc [M, n1 - n0] (row stride acc_stride) = x[:, k0:k1] @ w[k0:k1, n0:n1], register-blocked; xp is x packed
-// (PackRows), except for one row on a packed weight with AVX2 (kOneRowStreams), which reads x where it is.
+// (PackRows), except where it walks Streams (WalksStreams), which reads x where it is.
 template <typename WT>
 void AccumulateBlocked(const Shape& s, const float* x, const float* xp, const WT* w, int64_t k0, int64_t k1,
                        int64_t n0, int64_t n1, float* acc, int64_t acc_stride) {
@@ -410,7 +412,7 @@ void AccumulateBlocked(const Shape& s, const float* x, const float* xp, const WT
   // than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
   // memory once, in order, and from L1 for the other parts. More tiles with AVX2 on a packed weight: panel by panel
   // as well, below; otherwise band by band, so that x's band stays in L1 across the panels.
-  if (kOneRowStreams && s.packed && s.m == 1) {
+  if (WalksStreams(s)) {
     for (int64_t p = 0; p < nb; p += kPackCols) Streams<2>(s, x, w, k0, k1, n0 + p, acc + p);
     return;
   }
@@ -701,8 +703,8 @@ void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& pr
   // One row on packed weights with AVX2 is not packed: Streams reads it where it is. Packing it took ~2 us of each
   // such call before any thread could start (the row had just been written on the other core), 0.1 ms of an int8
   // one-request step.
-  const bool x_as_is = kOneRowStreams && m == 1 &&
-                       std::all_of(products.begin(), products.end(), [](const Product& p) { return p.s.packed; });
+  const bool x_as_is =
+      std::all_of(products.begin(), products.end(), [](const Product& p) { return WalksStreams(p.s); });
   float* xp = nullptr;
   if (any_blocked && !x_as_is) {
     xp = Scratch<3>((m + kMR - 1) / kMR * kMR * k);
