@@ -318,8 +318,8 @@ void PackRows(const Shape& s, const float* x, float* xp) {
   }
 }
 
-// The vectors of columns a tile walks on a packed weight when x is one tile (on AVX2 one row takes Streams,
-// below). With AVX2 (16 registers, 8 lanes) 4 vectors: up to 24 sums, some spilled, and still level with 2 vectors'
+// The vectors of columns a tile walks on a packed weight when x is one tile of two or more rows (one row takes
+// Streams, below). With AVX2 (16 registers, 8 lanes) 4 vectors: up to 24 sums, some spilled, and still level with 2 vectors'
 // 12 at 4-6 rows; walked band by band over the panel's two halves, 2-4 rows ran 1.02-1.06x faster than half by
 // half (2-vCPU Zen 3 VM, bench/cpu_matmul.py's projections, packed, interleaved in one process).
 #if defined(__AVX512F__)
@@ -332,8 +332,13 @@ constexpr int kOneTileNR = 4;
 // rows walked as S sequential streams at once (S equal parts of [k0, k1)), summed into one set of registers. One
 // stream a core read 18.8-21.2 GB/s on the 2-vCPU Zen 3 VM, two 26.0 (scratch read loop); a one-row product over
 // the panel's two halves at once ran 1.10-1.13x (float32) and 1.07-1.20x (int8) faster than down the panel in one
-// stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two. Down
-// the whole panel in one stream was itself 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two halves.
+// stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two there.
+// Down the whole panel in one stream was itself 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two
+// halves. On a 2-vCPU Intel Xeon VM (AVX-512, 2.6 GHz) four streams beat two, and both beat the register tile
+// (MicroTile<1, 4>, one stream a panel) that AVX-512 took for one row before: the projections, interleaved in one
+// process, in ms per pass (GB/s): int8 4.81 (15.8) with the tile, 4.21 (18.0) with two streams, 3.14 (24.1) with
+// four, eight 0.93x of four; bfloat16 8.73 / 5.29 / 4.78; float32 11.13 / 10.35 / 9.85. One request end to end there,
+// int8 137-139 tok/s with the tile and 274-280 with four streams, float32 68-71 and 75-78 (two streams 70-71).
 // Narrow weights prefetch each stream kStreamAhead bytes ahead, into L2: an int8 row is one cache line against
 // float32's four, so a stream moves on by one line per row walked. (Not because of the widening: int8 bytes read as
 // float32 lanes, with no widening at all, walked no faster, 0.96-1.04x.) The small preset's 100 MB of int8 products as
@@ -342,14 +347,10 @@ constexpr int kOneTileNR = 4;
 // end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
 constexpr int64_t kStreamAhead = 2048;
 
-// One row of x on a packed weight walks Streams, measured on AVX2 only (AVX-512 takes the register tiles). Streams
-// reads x where it is, not packed.
-#if defined(__AVX512F__)
-constexpr bool kOneRowStreams = false;
-#else
-constexpr bool kOneRowStreams = true;
-#endif
-inline bool WalksStreams(const Shape& s) { return kOneRowStreams && s.packed && s.m == 1; }
+constexpr int kOneRowStreams = 4;  // S above
+
+// One row of x on a packed weight walks Streams, which reads x where it is, not packed.
+inline bool WalksStreams(const Shape& s) { return s.packed && s.m == 1; }
 
 template <int S, typename WT>
 void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc) {
@@ -407,13 +408,13 @@ void AccumulateBlocked(const Shape& s, const float* x, const float* xp, const WT
                        int64_t n0, int64_t n1, float* acc, int64_t acc_stride) {
   const int64_t nb = n1 - n0;
   // One tile of x on a packed weight: panel by panel, each walked down all its rows in sequential runs the
-  // prefetchers follow (band-ahead prefetching measured slower here); one row on AVX2 walks each panel's two halves
-  // at once (Streams, which writes its sums rather than adding to them). A tile narrower than the panel (AVX2, more
+  // prefetchers follow (band-ahead prefetching measured slower here); one row walks each panel's quarters at once
+  // (Streams, which writes its sums rather than adding to them). A tile narrower than the panel (AVX2, more
   // than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
   // memory once, in order, and from L1 for the other parts. More tiles with AVX2 on a packed weight: panel by panel
   // as well, below; otherwise band by band, so that x's band stays in L1 across the panels.
   if (WalksStreams(s)) {
-    for (int64_t p = 0; p < nb; p += kPackCols) Streams<2>(s, x, w, k0, k1, n0 + p, acc + p);
+    for (int64_t p = 0; p < nb; p += kPackCols) Streams<kOneRowStreams>(s, x, w, k0, k1, n0 + p, acc + p);
     return;
   }
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
@@ -700,7 +701,7 @@ void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& pr
     partials += p.partial_size();
     any_blocked |= p.blocked;
   }
-  // One row on packed weights with AVX2 is not packed: Streams reads it where it is. Packing it took ~2 us of each
+  // One row on packed weights is not packed: Streams reads it where it is. Packing it took ~2 us of each
   // such call before any thread could start (the row had just been written on the other core), 0.1 ms of an int8
   // one-request step.
   const bool x_as_is =
