@@ -63,7 +63,7 @@ def test_matches_the_einsum(rng, dtype, m, k, n):
 @pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (2, 130, 64), (1, 300, 128), (5, 768, 768), (17, 100, 192),
                                    (64, 96, 128), (65, 40, 128), (200, 384, 512), (70, 1600, 192),  # 3 bands of K
                                    (9, 300, 64), (30, 1000, 64),  # one panel, K split over the threads
-                                   (1, 131, 64)])  # one row: each split's rows not a multiple of Streams' four parts
+                                   (1, 131, 64), (3, 131, 128), (6, 201, 64)])  # Streams: K not in four equal parts
 def test_packed_weights_match_the_einsum(rng, dtype, m, k, n):
     """A packed weight [L, N / 64, K, 64] on every path (one row with K split over the threads, register-blocked,
     cache-blocked), against the einsum of the weight it was packed from; unpack gives that weight back."""

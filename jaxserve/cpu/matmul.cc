@@ -318,19 +318,15 @@ void PackRows(const Shape& s, const float* x, float* xp) {
   }
 }
 
-// The vectors of columns a tile walks on a packed weight when x is one tile of two or more rows (one row takes
-// Streams, below). With AVX2 (16 registers, 8 lanes) 4 vectors: up to 24 sums, some spilled, and still level with 2 vectors'
-// 12 at 4-6 rows; walked band by band over the panel's two halves, 2-4 rows ran 1.02-1.06x faster than half by
-// half (2-vCPU Zen 3 VM, bench/cpu_matmul.py's projections, packed, interleaved in one process).
-#if defined(__AVX512F__)
-constexpr int kOneTileNR = kNR;
-#else
+// The vectors of columns a tile walks on a packed weight when x is one tile of rows that do not walk Streams (below):
+// 2 to 6 rows with AVX2. 4 vectors: up to 24 sums, some spilled of AVX2's 16 registers, and still level with 2
+// vectors' 12 at 4-6 rows; walked band by band over the panel's two halves, 2-4 rows ran 1.02-1.06x faster than half
+// by half (2-vCPU Zen 3 VM, bench/cpu_matmul.py's projections, packed, interleaved in one process).
 constexpr int kOneTileNR = 4;
-#endif
 
-// acc[0, :kPackCols] = x[0, k0:k1] @ w[k0:k1, j:j + kPackCols] for one row of x on a packed weight, the panel's
-// rows walked as S sequential streams at once (S equal parts of [k0, k1)), summed into one set of registers. One
-// stream a core read 18.8-21.2 GB/s on the 2-vCPU Zen 3 VM, two 26.0 (scratch read loop); a one-row product over
+// acc[r, :kPackCols] (row stride acc_stride) = x[r, k0:k1] @ w[k0:k1, j:j + kPackCols] for R rows r of x on a packed
+// weight, the panel's rows walked as S sequential streams at once (S equal parts of [k0, k1)), each weight vector
+// loaded once for the R rows and summed into one set of registers a row. One stream a core read 18.8-21.2 GB/s on the 2-vCPU Zen 3 VM, two 26.0 (scratch read loop); a one-row product over
 // the panel's two halves at once ran 1.10-1.13x (float32) and 1.07-1.20x (int8) faster than down the panel in one
 // stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two there.
 // Down the whole panel in one stream was itself 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two
@@ -347,18 +343,33 @@ constexpr int kOneTileNR = 4;
 // end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
 constexpr int64_t kStreamAhead = 2048;
 
-constexpr int kOneRowStreams = 4;  // S above
+constexpr int kStreamParts = 4;  // S above
 
-// One row of x on a packed weight walks Streams, which reads x where it is, not packed.
-inline bool WalksStreams(const Shape& s) { return s.packed && s.m == 1; }
+// Rows of x that walk Streams on a packed weight, each weight vector loaded once for all of them. With AVX-512 a
+// panel is 4 vectors, so 6 rows' sums are 24 of the 32 registers; it beat the register tiles (MicroTile, one stream a
+// panel) at every row count up to 6 on the 2-vCPU Xeon VM (the projections, interleaved in one process, ms per pass
+// tiles / streams: 2 rows int8 5.80 / 4.43, float32 12.83 / 10.91, bfloat16 10.44 / 6.52; 4 rows 7.60 / 4.40, 15.09
+// / 11.70, 10.71 / 6.06; 6 rows 8.85 / 5.93, 17.31 / 12.43, 12.45 / 7.50; 4 requests int8 end to end 343-358 against
+// 543-548 tok/s). With AVX2 a panel is 8 vectors and two rows' sums would fill all 16 registers: one row.
+#if defined(__AVX512F__)
+constexpr int64_t kStreamedRows = kMR;
+#else
+constexpr int64_t kStreamedRows = 1;
+#endif
 
-template <int S, typename WT>
-void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc) {
+// Up to kStreamedRows rows of x on a packed weight walk Streams, which reads x where it is, not packed.
+inline bool WalksStreams(const Shape& s) { return s.packed && s.m <= kStreamedRows; }
+
+template <int S, int R, typename WT>
+void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1, int64_t j, float* acc,
+             int64_t acc_stride) {
   constexpr bool kAhead = sizeof(WT) < sizeof(float);
   constexpr int kRowBytes = kPackCols * sizeof(WT);
   constexpr int NR = kPackCols / kLanes;
-  fvec c[NR];
-  for (int v = 0; v < NR; ++v) c[v] = fvec{};
+  fvec c[R][NR];
+  for (int m = 0; m < R; ++m) {
+    for (int v = 0; v < NR; ++v) c[m][v] = fvec{};
+  }
   const int64_t part = (k1 - k0) / S;
   const WT* r[S];
   const float* xs[S];
@@ -366,9 +377,13 @@ void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1
     r[i] = At(s, w, k0 + i * part, j);
     xs[i] = x + k0 + i * part;
   }
-  const auto add_row = [&](float xk, const WT* row) {  // c += x[k] * w[k, j:j + kPackCols]
-    const fvec bx = Broadcast(xk);
-    for (int v = 0; v < NR; ++v) c[v] += bx * Load(row + v * kLanes);
+  const auto add_row = [&](const float* xk, const WT* row) {  // c[m] += x[m, k] * w[k, j:j + kPackCols]
+    fvec wv[NR];
+    for (int v = 0; v < NR; ++v) wv[v] = Load(row + v * kLanes);
+    for (int m = 0; m < R; ++m) {
+      const fvec bx = Broadcast(xk[m * s.k]);
+      for (int v = 0; v < NR; ++v) c[m][v] += bx * wv[v];
+    }
   };
   for (int64_t k = 0; k < part; ++k) {
     for (int i = 0; i < S; ++i) {
@@ -376,11 +391,13 @@ void Streams(const Shape& s, const float* x, const WT* w, int64_t k0, int64_t k1
         const char* ahead = reinterpret_cast<const char*>(r[i] + k * kPackCols) + kStreamAhead;
         for (int b = 0; b < kRowBytes; b += 64) __builtin_prefetch(ahead + b, 0, 2);  // into L2 (prefetcht1)
       }
-      add_row(xs[i][k], r[i] + k * kPackCols);
+      add_row(xs[i] + k, r[i] + k * kPackCols);
     }
   }
-  for (int64_t k = k0 + S * part; k < k1; ++k) add_row(x[k], At(s, w, k, j));  // left over from S parts
-  for (int v = 0; v < NR; ++v) Store(acc + v * kLanes, c[v]);
+  for (int64_t k = k0 + S * part; k < k1; ++k) add_row(x + k, At(s, w, k, j));  // left over from S parts
+  for (int m = 0; m < R; ++m) {
+    for (int v = 0; v < NR; ++v) Store(acc + m * acc_stride + v * kLanes, c[m][v]);
+  }
 }
 
 // acc [M, nb] = x[:, k0:k1] @ w[k0:k1, n0:n0 + nb] on a packed weight, panel by panel: each 64-column panel's
@@ -408,13 +425,26 @@ void AccumulateBlocked(const Shape& s, const float* x, const float* xp, const WT
                        int64_t n0, int64_t n1, float* acc, int64_t acc_stride) {
   const int64_t nb = n1 - n0;
   // One tile of x on a packed weight: panel by panel, each walked down all its rows in sequential runs the
-  // prefetchers follow (band-ahead prefetching measured slower here); one row walks each panel's quarters at once
-  // (Streams, which writes its sums rather than adding to them). A tile narrower than the panel (AVX2, more
-  // than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
+  // prefetchers follow (band-ahead prefetching measured slower here); up to kStreamedRows rows walk each panel's
+  // quarters at once (Streams, which writes its sums rather than adding to them). A tile narrower than the panel
+  // (AVX2, more than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
   // memory once, in order, and from L1 for the other parts. More tiles with AVX2 on a packed weight: panel by panel
   // as well, below; otherwise band by band, so that x's band stays in L1 across the panels.
   if (WalksStreams(s)) {
-    for (int64_t p = 0; p < nb; p += kPackCols) Streams<kOneRowStreams>(s, x, w, k0, k1, n0 + p, acc + p);
+    static_assert(kStreamedRows == 1 || kStreamedRows == 6, "one case per row count");
+    for (int64_t p = 0; p < nb; p += kPackCols) {
+      switch (s.m) {
+        case 1: Streams<kStreamParts, 1>(s, x, w, k0, k1, n0 + p, acc + p, acc_stride); break;
+#if defined(__AVX512F__)
+        case 2: Streams<kStreamParts, 2>(s, x, w, k0, k1, n0 + p, acc + p, acc_stride); break;
+        case 3: Streams<kStreamParts, 3>(s, x, w, k0, k1, n0 + p, acc + p, acc_stride); break;
+        case 4: Streams<kStreamParts, 4>(s, x, w, k0, k1, n0 + p, acc + p, acc_stride); break;
+        case 5: Streams<kStreamParts, 5>(s, x, w, k0, k1, n0 + p, acc + p, acc_stride); break;
+        case 6: Streams<kStreamParts, 6>(s, x, w, k0, k1, n0 + p, acc + p, acc_stride); break;
+#endif
+        default: break;
+      }
+    }
     return;
   }
   for (int64_t m = 0; m < s.m; ++m) std::fill(acc + m * acc_stride, acc + m * acc_stride + nb, 0.0f);
@@ -701,7 +731,7 @@ void RunProducts(ffi::ThreadPool& pool, const float* x, std::vector<Product>& pr
     partials += p.partial_size();
     any_blocked |= p.blocked;
   }
-  // One row on packed weights is not packed: Streams reads it where it is. Packing it took ~2 us of each
+  // Rows that walk Streams are not packed: Streams reads them where they are. Packing one row took ~2 us of each
   // such call before any thread could start (the row had just been written on the other core), 0.1 ms of an int8
   // one-request step.
   const bool x_as_is =
