@@ -18,7 +18,8 @@
 // of a small model's step measured 1.15x (float32) and 1.4x (int8) faster packed, at 33-38 GB/s against this VM's
 // 32-35 GB/s read bandwidth (2-vCPU AMD EPYC, AVX-512; the register-blocked path below, every row count).
 //
-// Three paths, by what binds (a packed weight takes the register-blocked one from one row):
+// Three paths, by what binds (a packed weight takes the register-blocked one from one row; there one row, and with
+// AVX-512 up to six, walk each panel as four streams at once: Streams):
 // - One or two rows of float32 weights (streaming): a few FLOPs per weight, so the speed is the rate weights stream
 //   from memory. A core streams fastest along long contiguous runs (its prefetchers follow a few dozen sequential
 //   streams, each within a 4 KB page), so the weight is cut into tasks of whole row runs:
