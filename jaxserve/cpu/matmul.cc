@@ -327,21 +327,21 @@ constexpr int kOneTileNR = 4;
 
 // acc[r, :kPackCols] (row stride acc_stride) = x[r, k0:k1] @ w[k0:k1, j:j + kPackCols] for R rows r of x on a packed
 // weight, the panel's rows walked as S sequential streams at once (S equal parts of [k0, k1)), each weight vector
-// loaded once for the R rows and summed into one set of registers a row. One stream a core read 18.8-21.2 GB/s on the 2-vCPU Zen 3 VM, two 26.0 (scratch read loop); a one-row product over
-// the panel's two halves at once ran 1.10-1.13x (float32) and 1.07-1.20x (int8) faster than down the panel in one
-// stream (bench/cpu_matmul.py's projections, interleaved in one process), four streams no better than two there.
-// Down the whole panel in one stream was itself 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two
-// halves. On a 2-vCPU Intel Xeon VM (AVX-512, 2.6 GHz) four streams beat two, and both beat the register tile
-// (MicroTile<1, 4>, one stream a panel) that AVX-512 took for one row before: the projections, interleaved in one
-// process, in ms per pass (GB/s): int8 4.81 (15.8) with the tile, 4.21 (18.0) with two streams, 3.14 (24.1) with
-// four, eight 0.93x of four; bfloat16 8.73 / 5.29 / 4.78; float32 11.13 / 10.35 / 9.85. One request end to end there,
-// int8 137-139 tok/s with the tile and 274-280 with four streams, float32 68-71 and 75-78 (two streams 70-71).
-// Narrow weights prefetch each stream kStreamAhead bytes ahead, into L2: an int8 row is one cache line against
-// float32's four, so a stream moves on by one line per row walked. (Not because of the widening: int8 bytes read as
-// float32 lanes, with no widening at all, walked no faster, 0.96-1.04x.) The small preset's 100 MB of int8 products as
-// a decode step calls them (two threads, pairs interleaved in one process, 2-vCPU Zen 3 VM): 16.0 GB/s without, 16.6
-// with, 233 of 300 pairs faster; bfloat16 1.06x; float32 0.84x, so not there; 1 to 3 KB ahead alike. One request end to
-// end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
+// loaded once for the R rows and summed into one set of registers a row. One stream a core read 18.8-21.2 GB/s on the
+// 2-vCPU Zen 3 VM, two 26.0 (scratch read loop); a one-row product over the panel's two halves at once ran 1.10-1.13x
+// (float32) and 1.07-1.20x (int8) faster than down the panel in one stream (bench/cpu_matmul.py's projections,
+// interleaved in one process), four streams no better than two there. Down the whole panel in one stream was itself
+// 1.29-1.36x (float32) and 1.06-1.20x (int8) faster than in two halves. On a 2-vCPU Intel Xeon VM (AVX-512, 2.6 GHz)
+// four streams beat two, and both beat the register tile (MicroTile<1, 4>, one stream a panel) that AVX-512 took for
+// one row before: the projections, interleaved in one process, in ms per pass (GB/s): int8 4.81 (15.8) with the tile,
+// 4.21 (18.0) with two streams, 3.14 (24.1) with four, eight 0.93x of four; bfloat16 8.73 / 5.29 / 4.78; float32 11.13
+// / 10.35 / 9.85. One request end to end there, int8 137-139 tok/s with the tile and 274-280 with four streams, float32
+// 68-71 and 75-78 (two streams 70-71). Narrow weights prefetch each stream kStreamAhead bytes ahead, into L2: an int8
+// row is one cache line against float32's four, so a stream moves on by one line per row walked. (Not because of the
+// widening: int8 bytes read as float32 lanes, with no widening at all, walked no faster, 0.96-1.04x.) The small
+// preset's 100 MB of int8 products as a decode step calls them (two threads, pairs interleaved in one process, 2-vCPU
+// Zen 3 VM): 16.0 GB/s without, 16.6 with, 233 of 300 pairs faster; bfloat16 1.06x; float32 0.84x, so not there; 1 to 3
+// KB ahead alike. One request end to end: int8 1.05x (15 of 16 alternating rounds), bfloat16 1.06x (8 of 10).
 constexpr int64_t kStreamAhead = 2048;
 
 constexpr int kStreamParts = 4;  // S above
@@ -428,9 +428,9 @@ void AccumulateBlocked(const Shape& s, const float* x, const float* xp, const WT
   // One tile of x on a packed weight: panel by panel, each walked down all its rows in sequential runs the
   // prefetchers follow (band-ahead prefetching measured slower here); up to kStreamedRows rows walk each panel's
   // quarters at once (Streams, which writes its sums rather than adding to them). A tile narrower than the panel
-  // (AVX2, more than one row) walks it a band at a time, every part of the band before the next, so the band's rows come from
-  // memory once, in order, and from L1 for the other parts. More tiles with AVX2 on a packed weight: panel by panel
-  // as well, below; otherwise band by band, so that x's band stays in L1 across the panels.
+  // (AVX2, more than one row) walks it a band at a time, every part of the band before the next, so the band's rows
+  // come from memory once, in order, and from L1 for the other parts. More tiles with AVX2 on a packed weight: panel
+  // by panel as well, below; otherwise band by band, so that x's band stays in L1 across the panels.
   if (WalksStreams(s)) {
     static_assert(kStreamedRows == 1 || kStreamedRows == 6, "one case per row count");
     for (int64_t p = 0; p < nb; p += kPackCols) {
